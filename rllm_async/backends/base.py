@@ -1,0 +1,114 @@
+"""The protocols every backend implements, and the small value types they exchange."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from rllm_async.types import TrajectoryGroup
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from rllm_async.config import Config, LossConfig
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one completion."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class Completion:
+    """What the sampler produced: tokens, their logprobs and the policy version of each token."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str = "stop"  # stop | length
+
+
+class Tokenizer(Protocol):
+    """Text <-> tokens and the chat template of a policy's model."""
+
+    eos_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]: ...
+
+
+class PolicyClient(Protocol):
+    """Samples from the policy and tags every token with the version that produced it.
+
+    `acquire()` returns the current version and keeps its weights alive until `release(version)`;
+    `generate(..., version=v)` samples with those weights (`weight_update: pin`), and
+    `version=None` samples with the newest weights (`weight_update: latest`).
+    """
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def acquire(self) -> int: ...
+
+    def release(self, version: int) -> None: ...
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, version: int | None = None
+    ) -> Completion: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Where the compute lives. The trainer owns the version counter and drives these calls.
+
+    Gradients from successive `forward_backward` calls accumulate until `optim_step`; the loss is
+    normalized by the whole optimizer step's totals, so the split into micro-batches is invisible.
+    """
+
+    def policy(self) -> PolicyClient: ...
+
+    async def forward_backward(
+        self, groups: list[TrajectoryGroup], loss: LossConfig
+    ) -> dict[str, float]: ...
+
+    async def optim_step(self) -> dict[str, float]: ...
+
+    async def on_policy_updated(self, version: int) -> None: ...
+
+    async def save(self, path: Path) -> None: ...
+
+    async def load(self, path: Path) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class BackendFactory(Protocol):
+    """What the `rllm_async.backends` entry point names: a class (or object) that builds a backend.
+
+    `options` validates the backend-specific keys of the `backend:` config section; an option the
+    backend cannot honour is refused in `from_config` with an error naming what to use instead.
+    `virtual_clock` asks the runner for an event loop whose clock is simulated.
+    """
+
+    options: ClassVar[type[BaseModel]]
+    virtual_clock: ClassVar[bool]
+
+    @classmethod
+    def from_config(cls, config: Config) -> Backend: ...

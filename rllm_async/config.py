@@ -1,0 +1,266 @@
+"""The config schema (plain pydantic data) and `load_config`: YAML via OmegaConf + dotlist overrides."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class BackendConfig(BaseModel):
+    """`name` picks the backend; the other keys are that backend's own options."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = "local"
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class WorkflowConfig(_Section):
+    cls: str = "rllm_async.workflows.SingleTurnWorkflow"
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class DatasetConfig(_Section):
+    """A JSONL/JSON file of task dicts (`path`), or a callable that returns a list of them."""
+
+    path: str | None = None
+    generator: str | None = None  # "package.module:function" or "package.module.function"
+    args: dict[str, Any] = Field(default_factory=dict)
+    shuffle: bool = True
+    limit: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetConfig:
+        if (self.path is None) == (self.generator is None):
+            raise ValueError("give exactly one of `path` (a JSONL file) or `generator` (a callable)")
+        return self
+
+
+class DataConfig(_Section):
+    train: DatasetConfig | None = None
+    eval: DatasetConfig | None = None
+
+
+class RolloutConfig(_Section):
+    group_size: int = Field(default=8, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=64, ge=1)
+    timeout_s: float = Field(default=300.0, gt=0.0)
+    retries: int = Field(default=1, ge=0)
+    min_group_size: int = Field(default=2, ge=1)
+    max_concurrency: int = Field(default=256, ge=1)
+    max_failure_rate: float = Field(default=0.5, gt=0.0, le=1.0)
+    failure_window: int = Field(default=200, ge=1)
+
+
+class CoordinatorConfig(_Section):
+    pipeline_depth: int = Field(default=1, ge=0)
+    max_staleness: int | None = Field(default=1, ge=0)  # null: no hard bound
+    stale_policy: Literal["requeue", "drop"] = "requeue"
+    weight_update: Literal["pin", "latest"] = "pin"
+    sync_timeout_s: float = Field(default=600.0, gt=0.0)
+    sync_warmup_steps: int = Field(default=0, ge=0)
+    stall_timeout_s: float = Field(default=3600.0, gt=0.0)
+
+
+class TrainConfig(_Section):
+    total_steps: int = Field(default=100, ge=1)
+    total_epochs: int | None = Field(default=None, ge=1)  # null: cycle the data until total_steps
+    groups_per_step: int = Field(default=16, ge=1)
+    micro_batch_groups: int = Field(default=4, ge=1)
+
+
+class LossConfig(_Section):
+    """The policy-gradient loss. Backends refuse at start-up what they cannot compute."""
+
+    name: Literal["ppo_clip", "importance_sampling", "cispo"] = "ppo_clip"
+    clip_low: float = Field(default=0.2, ge=0.0)
+    clip_high: float = Field(default=0.28, ge=0.0)
+    importance_sampling: Literal[
+        "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "token_truncate"
+    is_cap: float = Field(default=2.0, gt=0.0)
+    opsm_kl_threshold: float | None = Field(default=None, gt=0.0)  # null: no off-policy mask
+    kl_coef: float = Field(default=0.0, ge=0.0)
+
+
+class AlgorithmConfig(_Section):
+    advantage: str = "grpo"
+    normalize_std: bool = False
+    filter_zero_variance: bool = True
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+
+class OptimConfig(_Section):
+    lr: float = Field(default=1e-4, gt=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = Field(default=1.0, gt=0.0)
+    warmup_steps: int = Field(default=0, ge=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+
+
+class EvalConfig(_Section):
+    every_steps: int = Field(default=0, ge=0)  # 0: never
+    temperature: float = Field(default=0.0, ge=0.0)
+    max_tokens: int | None = Field(default=None, ge=1)  # null: rollout.max_tokens
+    at_end: bool = True
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(default=0, ge=0)  # 0: only at the end when at_end
+    at_end: bool = True
+    resume: Literal["auto", "never"] | str = "auto"  # or a checkpoint directory
+    keep_last: int | None = Field(default=3, ge=1)
+
+
+class WandbConfig(_Section):
+    enabled: bool = False
+    project: str = "rllm-async"
+    entity: str | None = None
+    mode: Literal["online", "offline", "auto"] = "auto"  # auto: offline when no API key
+
+
+class LoggingConfig(_Section):
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    progress_bar: bool = True
+    jsonl: bool = True
+
+
+class Config(_Section):
+    name: str = "run"
+    seed: int = 0
+    mode: Literal["sync", "async"] = "async"
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    workflow: WorkflowConfig = Field(default_factory=WorkflowConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    run_dir: str = "runs"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        co, ro, tr = self.coordinator, self.rollout, self.train
+        if self.mode == "sync":
+            explicit = co.model_fields_set
+            for key, on_policy in (("pipeline_depth", 0), ("max_staleness", 0)):
+                if key in explicit and getattr(co, key) != on_policy:
+                    raise ValueError(
+                        f"mode: sync is strictly on-policy, but coordinator.{key} is "
+                        f"{getattr(co, key)}: remove it or set it to {on_policy}, or use mode: async"
+                    )
+            if "weight_update" in explicit and co.weight_update != "pin":
+                raise ValueError(
+                    "mode: sync needs coordinator.weight_update: pin; use mode: async for latest"
+                )
+            # sync is async with d=0, K=0, pin: one code path.
+            object.__setattr__(co, "pipeline_depth", 0)
+            object.__setattr__(co, "max_staleness", 0)
+            object.__setattr__(co, "weight_update", "pin")
+        if co.max_staleness is not None and co.max_staleness < co.pipeline_depth:
+            raise ValueError(
+                f"coordinator.max_staleness ({co.max_staleness}) must be >= coordinator."
+                f"pipeline_depth ({co.pipeline_depth}): raise max_staleness to "
+                f"{co.pipeline_depth} or more, set it to null (no hard bound), or lower pipeline_depth"
+            )
+        if ro.min_group_size > ro.group_size:
+            raise ValueError(
+                f"rollout.min_group_size ({ro.min_group_size}) cannot exceed rollout.group_size "
+                f"({ro.group_size}): lower min_group_size or raise group_size"
+            )
+        if tr.micro_batch_groups > tr.groups_per_step:
+            raise ValueError(
+                f"train.micro_batch_groups ({tr.micro_batch_groups}) cannot exceed "
+                f"train.groups_per_step ({tr.groups_per_step}): lower micro_batch_groups"
+            )
+        return self
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir) / self.name
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config (or the defaults when `path` is None) and apply `key=value` overrides."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or [])))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {path}") from e
+    except (OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"cannot read config {path or ''} {overrides or ''}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping of sections, got {type(data).__name__}")
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Validate a plain dict into a Config, turning pydantic errors into actionable ones."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, Config)) from None
+
+
+def validate_options(model: type[BaseModel], options: dict[str, Any], where: str) -> Any:
+    """Validate a backend's or workflow's own options, with the same error style as the config."""
+    try:
+        return model.model_validate(options)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, model, prefix=where)) from None
+
+
+def _explain(error: ValidationError, root: type[BaseModel], prefix: str = "") -> str:
+    lines = []
+    for err in error.errors():
+        loc = [str(p) for p in err["loc"]]
+        key = ".".join(([prefix] if prefix else []) + loc) or prefix or "config"
+        if err["type"] == "extra_forbidden":
+            known = _known_keys(root, loc[:-1])
+            guess = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+            hint = f"did you mean '{guess[0]}'?" if guess else f"known keys: {', '.join(known)}"
+            lines.append(f"unknown key '{key}': {hint}")
+        elif err["type"] == "value_error":
+            msg = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(msg if not loc else f"{key}: {msg}")
+        else:
+            got = err.get("input")
+            lines.append(f"{key}: {err['msg']} (got {got!r})")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _known_keys(root: type[BaseModel], path: list[str]) -> list[str]:
+    model: Any = root
+    for part in path:
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        ann = field.annotation if field is not None else None
+        candidates = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type)]
+        model = next((c for c in candidates if issubclass(c, BaseModel)), None)
+        if model is None:
+            return []
+    return sorted(model.model_fields)

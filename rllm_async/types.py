@@ -1,0 +1,150 @@
+"""The data model: Step, Trajectory, Episode, TrajectoryGroup."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Termination(str, enum.Enum):
+    """Why an episode ended."""
+
+    DONE = "done"
+    MAX_TURNS = "max_turns"
+    TRUNCATED = "truncated"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class Step:
+    """One model call: exact tokens in and out, the sampler's logprobs and per-token versions.
+
+    `messages` is a copy of the chat as it was at this call; later turns never mutate it.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    messages: list[dict[str, Any]] | None = None
+    reward: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def min_version(self) -> int | None:
+        return min(self.versions) if self.versions else None
+
+
+@dataclass(slots=True)
+class TokenSequence:
+    """One training sequence: the tokens, which of them the model produced, and their metadata.
+
+    `loss_mask[i]` is 1 for a model-sampled token and 0 for prompt, tool and environment tokens;
+    `logprobs` and `versions` are meaningful only where the mask is 1 (0.0 and -1 elsewhere).
+    """
+
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """The steps of one actor in one rollout; `name` tells actors apart in multi-agent workflows."""
+
+    steps: list[Step] = field(default_factory=list)
+    reward: float = 0.0
+    name: str = "default"
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(s.completion_ids) for s in self.steps)
+
+    @property
+    def min_version(self) -> int | None:
+        versions = [v for s in self.steps if (v := s.min_version) is not None]
+        return min(versions) if versions else None
+
+    def sequences(self) -> list[TokenSequence]:
+        """Token-in/token-out training sequences.
+
+        A step whose prompt extends the previous step's prompt + completion continues the same
+        sequence (the tokens in between are environment/tool tokens, masked out); any other step
+        starts a new sequence.
+        """
+        out: list[TokenSequence] = []
+        for step in self.steps:
+            cur = out[-1] if out else None
+            if cur is not None and _extends(step.prompt_ids, cur.tokens):
+                gap = step.prompt_ids[len(cur.tokens) :]
+                cur.tokens.extend(gap)
+                cur.loss_mask.extend([0] * len(gap))
+                cur.logprobs.extend([0.0] * len(gap))
+                cur.versions.extend([-1] * len(gap))
+            else:
+                n = len(step.prompt_ids)
+                cur = TokenSequence(list(step.prompt_ids), [0] * n, [0.0] * n, [-1] * n)
+                out.append(cur)
+            cur.tokens.extend(step.completion_ids)
+            cur.loss_mask.extend([1] * len(step.completion_ids))
+            cur.logprobs.extend(step.logprobs)
+            cur.versions.extend(step.versions)
+        return out
+
+
+def _extends(prompt: list[int], prefix: list[int]) -> bool:
+    return len(prompt) >= len(prefix) and prompt[: len(prefix)] == prefix
+
+
+@dataclass(slots=True)
+class Episode:
+    """One rollout of one task."""
+
+    task_id: str
+    trajectories: list[Trajectory] = field(default_factory=list)
+    reward: float = 0.0
+    is_correct: bool | None = None
+    termination: Termination = Termination.DONE
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(t.num_completion_tokens for t in self.trajectories)
+
+
+@dataclass(slots=True)
+class TrajectoryGroup:
+    """All trajectories with one (task_id, name) across the rollouts of one dispatch of a task.
+
+    The unit of advantage computation, staleness accounting and training. `advantages[i]`
+    belongs to `trajectories[i]`.
+    """
+
+    task_id: str
+    name: str
+    trajectories: list[Trajectory]
+    advantages: list[float]
+    dispatch_id: int = 0
+    dispatch_version: int = 0
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version of any token in the group (the dispatch version if no tokens)."""
+        versions = [v for t in self.trajectories if (v := t.min_version) is not None]
+        return min(versions) if versions else self.dispatch_version
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(t.num_completion_tokens for t in self.trajectories)
