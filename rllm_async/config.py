@@ -74,6 +74,7 @@ class CoordinatorConfig(_Section):
     stale_policy: Literal["requeue", "drop"] = "requeue"
     weight_update: Literal["pin", "latest"] = "pin"
     sync_timeout_s: float = Field(default=600.0, gt=0.0)
+    sync_retries: int = Field(default=1, ge=0)
     sync_warmup_steps: int = Field(default=0, ge=0)
     stall_timeout_s: float = Field(default=3600.0, gt=0.0)
 

@@ -27,8 +27,9 @@ class Workflow(ABC):
 class RolloutContext:
     """The policy as one rollout sees it: every call is recorded as a Step of the calling actor.
 
-    With `pin=True` the first call fixes the policy version for the whole episode. Every call waits
-    while the coordinator has paused model calls for a weight sync (`wait_unpaused`).
+    With `pin=True` the first call fixes the policy version for the whole episode; a `version`
+    acquired by the caller (evaluation) pins every call to it. Every call waits while the
+    coordinator has paused model calls for a weight sync (`wait_unpaused`).
     """
 
     def __init__(
@@ -42,6 +43,7 @@ class RolloutContext:
         task_id: str,
         rollout_index: int = 0,
         attempt: int = 0,
+        version: int | None = None,
     ) -> None:
         self.policy = policy
         self.sampling = sampling
@@ -49,9 +51,10 @@ class RolloutContext:
         self.task_id = task_id
         self.rollout_index = rollout_index
         self.attempt = attempt
-        self._pin = pin
+        self._pin = pin or version is not None
         self._wait_unpaused = wait_unpaused
-        self._version: int | None = None
+        self._version = version
+        self._owns_version = False
         self._trajectories: dict[str, Trajectory] = {}
 
     @property
@@ -81,6 +84,7 @@ class RolloutContext:
         await self._wait_unpaused()
         if self._pin and self._version is None:
             self._version = self.policy.acquire()
+            self._owns_version = True
         params = replace(self.sampling, **sampling) if sampling else self.sampling
         out = await self.policy.generate(prompt_ids, params, version=self._version)
         self.trajectory(actor).steps.append(
@@ -121,9 +125,9 @@ class RolloutContext:
 
     def close(self) -> None:
         """Release the pinned snapshot; called once by the trainer when the rollout ends."""
-        if self._version is not None:
+        if self._owns_version and self._version is not None:
             self.policy.release(self._version)
-            self._version = None
+            self._owns_version = False
 
     def build_episode(self, result: Episode | float | None) -> Episode:
         """Turn what `Workflow.run` returned into an Episode holding this context's trajectories."""

@@ -1,0 +1,25 @@
+"""rllm-async: asynchronous RL for LLM policies and multi-turn agents, with bounded staleness."""
+
+from rllm_async.callbacks import Callback
+from rllm_async.config import Config, ConfigError, load_config
+from rllm_async.trainer import FailureRateError, UnifiedTrainer
+from rllm_async.types import Episode, Step, Termination, Trajectory, TrajectoryGroup
+from rllm_async.workflows import RolloutContext, SingleTurnWorkflow, Workflow
+
+__all__ = [
+    "Callback",
+    "Config",
+    "ConfigError",
+    "Episode",
+    "FailureRateError",
+    "RolloutContext",
+    "SingleTurnWorkflow",
+    "Step",
+    "Termination",
+    "Trajectory",
+    "TrajectoryGroup",
+    "UnifiedTrainer",
+    "Workflow",
+    "load_config",
+]
+__version__ = "0.1.0"

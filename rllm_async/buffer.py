@@ -1,0 +1,162 @@
+"""TrajectoryGroupBuffer: completes groups, computes advantages, filters, and hands groups out."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from rllm_async.algorithms.advantages import AdvantageFn
+from rllm_async.coordinator import State, SyncCoordinator
+from rllm_async.types import Episode, Trajectory, TrajectoryGroup
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """One dispatch of one task: `group_size` rollouts started at policy `version`."""
+
+    id: int
+    task: dict[str, Any]
+    task_id: str
+    version: int
+
+
+@dataclass(slots=True)
+class ReadyGroup:
+    """A completed dispatch: one TrajectoryGroup per actor name, advantages computed."""
+
+    dispatch: Dispatch
+    groups: list[TrajectoryGroup]
+    episodes: list[Episode]
+
+    @property
+    def min_version(self) -> int:
+        return min(g.min_version for g in self.groups)
+
+
+@dataclass(slots=True)
+class _Pending:
+    dispatch: Dispatch
+    expected: int
+    episodes: dict[int, Episode] = field(default_factory=dict)  # by rollout index
+    failures: int = 0
+
+
+class TrajectoryGroupBuffer:
+    """Accumulates episodes per dispatch until its group is complete, then queues it.
+
+    A group is complete when all `group_size` rollouts ended; it trains on the survivors of failed
+    rollouts if at least `min_group_size` survived, else it fails. Zero-variance groups are
+    filtered when asked. Every outcome moves the group's count in the coordinator, which frees its
+    admission slot at once. Ready groups leave oldest policy version first, and the queue is
+    bounded: a full queue makes producers wait (backpressure), it never evicts.
+    """
+
+    def __init__(
+        self,
+        coordinator: SyncCoordinator,
+        *,
+        group_size: int,
+        min_group_size: int,
+        advantage_fn: AdvantageFn,
+        normalize_std: bool,
+        filter_zero_variance: bool,
+        capacity: int,
+    ) -> None:
+        self.coordinator = coordinator
+        self.group_size = group_size
+        self.min_group_size = min_group_size
+        self.advantage_fn = advantage_fn
+        self.normalize_std = normalize_std
+        self.filter_zero_variance = filter_zero_variance
+        self.capacity = capacity
+        self._pending: dict[int, _Pending] = {}
+        self._ready: list[tuple[int, int, ReadyGroup]] = []
+        self._seq = itertools.count()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    def open(self, dispatch: Dispatch) -> None:
+        """Start collecting the rollouts of a just-dispatched group."""
+        self._pending[dispatch.id] = _Pending(dispatch, self.group_size)
+
+    async def add(self, dispatch_id: int, index: int, episode: Episode | None) -> State | None:
+        """Add rollout `index` of a group (None: it failed); the group's new state if it completed."""
+        pending = self._pending[dispatch_id]
+        if episode is None:
+            pending.failures += 1
+        else:
+            pending.episodes[index] = episode
+        if len(pending.episodes) + pending.failures < pending.expected:
+            return None
+        del self._pending[dispatch_id]
+        if len(pending.episodes) < self.min_group_size:
+            self.coordinator.move(State.IN_FLIGHT, State.FAILED)
+            return State.FAILED
+        ready = self._complete(pending)
+        if ready is None:
+            self.coordinator.move(State.IN_FLIGHT, State.FILTERED)
+            return State.FILTERED
+        await self.coordinator.wait_for(lambda: len(self._ready) < self.capacity, "buffer space")
+        heapq.heappush(self._ready, (ready.min_version, next(self._seq), ready))
+        self.coordinator.move(State.IN_FLIGHT, State.BUFFERED)
+        return State.BUFFERED
+
+    def _complete(self, pending: _Pending) -> ReadyGroup | None:
+        """Group the survivors by actor and compute advantages; None if every group is filtered."""
+        # Rollout order, not completion order, so that batches do not depend on timing.
+        episodes = [pending.episodes[i] for i in sorted(pending.episodes)]
+        by_name: dict[str, list[Trajectory]] = {}
+        for ep in episodes:
+            for traj in ep.trajectories:
+                by_name.setdefault(traj.name, []).append(traj)
+        groups = []
+        for name, trajs in by_name.items():
+            rewards = [t.reward for t in trajs]
+            if self.filter_zero_variance and max(rewards) == min(rewards):
+                continue
+            groups.append(
+                TrajectoryGroup(
+                    task_id=pending.dispatch.task_id,
+                    name=name,
+                    trajectories=trajs,
+                    advantages=self.advantage_fn(rewards, self.normalize_std),
+                    dispatch_id=pending.dispatch.id,
+                    dispatch_version=pending.dispatch.version,
+                )
+            )
+        if not groups:
+            return None
+        return ReadyGroup(pending.dispatch, groups, episodes)
+
+    async def get(self) -> ReadyGroup | None:
+        """The ready group with the oldest policy version; None once closed and drained."""
+        await self.coordinator.wait_for(lambda: bool(self._ready) or self._closed, "a ready group")
+        if not self._ready:
+            return None
+        _, _, ready = heapq.heappop(self._ready)
+        self.coordinator.notify()  # space freed
+        return ready
+
+    @property
+    def finished(self) -> bool:
+        """Closed and drained: no group will ever come out again."""
+        return self._closed and not self._ready
+
+    def close(self) -> None:
+        """No more groups will come: `get` returns None once the queue is empty."""
+        self._closed = True
+        self.coordinator.notify()
+
+    def drain(self) -> list[ReadyGroup]:
+        """Remove and return everything queued (at shutdown)."""
+        out = [item for _, _, item in sorted(self._ready)]
+        self._ready.clear()
+        return out
+
+    def pending_dispatches(self) -> list[Dispatch]:
+        return [p.dispatch for p in self._pending.values()]

@@ -1,0 +1,103 @@
+"""`rllm-async`: train and simulate from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rllm_async.config import ConfigError, load_config
+from rllm_async.data import DataError
+
+DEFAULT_CONFIG = Path("examples/countdown/local_async.yaml")
+
+
+def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """`[CONFIG] [key=value ...]`: the first argument without '=' is the config file."""
+    config = None
+    overrides = []
+    for arg in args:
+        if "=" in arg:
+            overrides.append(arg)
+        elif config is None:
+            config = arg
+        else:
+            raise ConfigError(f"unexpected argument '{arg}': overrides look like key=value")
+    return config, overrides
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from rllm_async.trainer import UnifiedTrainer
+
+    path, overrides = _split_args(args.rest)
+    if path is None:
+        if not DEFAULT_CONFIG.exists():
+            raise ConfigError(
+                f"no config given and {DEFAULT_CONFIG} not found: run from the repository root "
+                "or pass a config file: rllm-async train CONFIG.yaml [key=value ...]"
+            )
+        path = str(DEFAULT_CONFIG)
+    config = load_config(path, overrides)
+    records = UnifiedTrainer(config).run()
+    last = records[-1] if records else {}
+    print(json.dumps({"run_dir": str(config.run_path), "steps": len(records), "last": last}))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from rllm_async.simulate import simulate
+
+    result = simulate(
+        args.workload,
+        mode=args.mode,
+        pipeline_depth=args.pipeline_depth,
+        max_staleness=args.max_staleness,
+        steps=args.steps,
+        seed=args.seed,
+        overrides=args.set,
+    )
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>24}: {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rllm-async", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train with a config file and key=value overrides")
+    train.add_argument("rest", nargs="*", metavar="[CONFIG] [key=value ...]")
+    train.set_defaults(func=cmd_train)
+
+    sim = sub.add_parser("simulate", help="run a workload on the simulator: async vs sync")
+    sim.add_argument("--workload", default="W1", help="W1, W2, W3 or W4")
+    sim.add_argument("--mode", choices=["sync", "async"], default="async")
+    sim.add_argument("--pipeline-depth", type=int, default=4)
+    sim.add_argument("--max-staleness", type=int, default=None, help="hard bound K (default: none)")
+    sim.add_argument("--steps", type=int, default=60)
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--set", nargs="*", default=[], metavar="key=value", help="config overrides")
+    sim.add_argument("--json", action="store_true", help="print one JSON line")
+    sim.set_defaults(func=cmd_simulate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ConfigError, DataError) as e:
+        print(f"rllm-async: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("rllm-async: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

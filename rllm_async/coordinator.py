@@ -1,0 +1,260 @@
+"""SyncCoordinator: owns every group count, admission, the staleness bound and the weight sync."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+
+from rllm_async.config import CoordinatorConfig
+
+
+class State(enum.Enum):
+    """Where a dispatched group is. Every group is in exactly one state."""
+
+    IN_FLIGHT = "in_flight"
+    BUFFERED = "buffered"
+    CONSUMED = "consumed"
+    FILTERED = "filtered"
+    FAILED = "failed"
+    DROPPED_STALE = "dropped_stale"
+    CANCELLED = "cancelled"
+
+
+_MOVES = {
+    State.IN_FLIGHT: {State.BUFFERED, State.FILTERED, State.FAILED, State.CANCELLED},
+    State.BUFFERED: {State.CONSUMED, State.DROPPED_STALE, State.CANCELLED},
+}
+
+
+class SyncTimeoutError(TimeoutError):
+    """The backend's `on_policy_updated` did not finish within `coordinator.sync_timeout_s`."""
+
+
+class StallError(RuntimeError):
+    """Nothing moved for `coordinator.stall_timeout_s`; the message holds the counts."""
+
+
+@dataclass(slots=True)
+class Counts:
+    """Group counts. Conservation: dispatched == the sum of all the states."""
+
+    dispatched: int = 0
+    in_flight: int = 0
+    buffered: int = 0
+    consumed: int = 0
+    filtered: int = 0
+    failed: int = 0
+    dropped_stale: int = 0
+    cancelled: int = 0
+
+    def conserved(self) -> bool:
+        return self.dispatched == (
+            self.in_flight
+            + self.buffered
+            + self.consumed
+            + self.filtered
+            + self.failed
+            + self.dropped_stale
+            + self.cancelled
+        )
+
+
+class _BusyMeter:
+    """Integrates how long a count was zero (idle), on the event loop's clock."""
+
+    def __init__(self, now: float) -> None:
+        self.active = 0
+        self.blocked = False
+        self._since = now
+        self._idle = 0.0
+
+    def _tick(self, now: float) -> None:
+        if self.active == 0 or self.blocked:
+            self._idle += now - self._since
+        self._since = now
+
+    def change(self, now: float, delta: int = 0, blocked: bool | None = None) -> None:
+        self._tick(now)
+        self.active += delta
+        if blocked is not None:
+            self.blocked = blocked
+
+    def take_idle(self, now: float) -> float:
+        self._tick(now)
+        idle, self._idle = self._idle, 0.0
+        return idle
+
+
+class SyncCoordinator:
+    """Admission by `pipeline_depth`, the hard bound `max_staleness`, and weight sync as a transaction.
+
+    A group may be dispatched while `consumed + in_flight + buffered < (version + d + 1) *
+    groups_per_step`; filtered, failed and dropped groups free their slot at once. All waits are
+    event-driven: every state change wakes the waiters, and every wait has a deadline.
+    """
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        groups_per_step: int,
+        on_policy_updated: Callable[[int], Awaitable[None]],
+        version: int = 0,
+    ) -> None:
+        self.config = config
+        self.groups_per_step = groups_per_step
+        self.version = version
+        self.counts = Counts()
+        self.requeued = 0
+        self.on_event: Callable[[str, Counts], None] | None = None  # observer, e.g. for tests
+        self._hook = on_policy_updated
+        self._changed = asyncio.Event()
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._rollouts: _BusyMeter | None = None
+
+    # -- admission ---------------------------------------------------------------------------
+
+    @property
+    def pipeline_depth(self) -> int:
+        """d, except during `sync_warmup_steps`, which run on-policy."""
+        return 0 if self.version < self.config.sync_warmup_steps else self.config.pipeline_depth
+
+    @property
+    def outstanding(self) -> int:
+        return self.counts.in_flight + self.counts.buffered
+
+    def can_admit(self) -> bool:
+        c = self.counts
+        limit = (self.version + self.pipeline_depth + 1) * self.groups_per_step
+        return c.consumed + c.in_flight + c.buffered < limit
+
+    async def wait_admissible(self) -> None:
+        """Wait until a group may be dispatched (the caller dispatches with no await in between)."""
+        await self.wait_for(self.can_admit, "admission")
+
+    def dispatch(self) -> None:
+        if not self.can_admit():
+            raise RuntimeError("dispatch() without admission: call wait_admissible() first")
+        self.counts.dispatched += 1
+        self.counts.in_flight += 1
+        self._event("dispatched")
+
+    # -- group life cycle ---------------------------------------------------------------------
+
+    def move(self, src: State, dst: State, *, requeued: bool = False) -> None:
+        """Move one group from `src` to `dst`; checks the conservation invariant."""
+        if dst not in _MOVES.get(src, ()):
+            raise RuntimeError(f"illegal group transition {src.value} -> {dst.value}")
+        c = self.counts
+        if getattr(c, src.value) <= 0:
+            raise RuntimeError(f"no group is {src.value}; cannot move one to {dst.value}")
+        setattr(c, src.value, getattr(c, src.value) - 1)
+        setattr(c, dst.value, getattr(c, dst.value) + 1)
+        self.requeued += requeued
+        self._event(dst.value)
+
+    def staleness(self, min_version: int) -> int:
+        return self.version - min_version
+
+    def too_stale(self, min_version: int) -> bool:
+        k = self.config.max_staleness
+        return k is not None and self.version - min_version > k
+
+    # -- weight sync ----------------------------------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return not self._unpaused.is_set()
+
+    async def wait_unpaused(self) -> None:
+        """Block a new model call while a weight sync is in progress."""
+        if not self._unpaused.is_set():
+            await self._unpaused.wait()
+
+    async def update_policy(self, version: int) -> tuple[float, float]:
+        """Pause new model calls, run the backend's hook (with timeout and retries), resume.
+
+        Returns (hook seconds, total seconds). Generation resumes even when the hook fails.
+        """
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self._unpaused.clear()
+        if self._rollouts is not None:
+            self._rollouts.change(start, blocked=True)
+        hook_s = 0.0
+        try:
+            for attempt in range(self.config.sync_retries + 1):
+                t0 = loop.time()
+                try:
+                    async with asyncio.timeout(self.config.sync_timeout_s):
+                        await self._hook(version)
+                    hook_s += loop.time() - t0
+                    break
+                except TimeoutError:
+                    raise SyncTimeoutError(
+                        f"backend.on_policy_updated({version}) did not finish within "
+                        f"coordinator.sync_timeout_s={self.config.sync_timeout_s}s"
+                    ) from None
+                except Exception:
+                    hook_s += loop.time() - t0
+                    if attempt == self.config.sync_retries:
+                        raise
+            self.version = version
+        finally:
+            end = loop.time()
+            if self._rollouts is not None:
+                self._rollouts.change(end, blocked=False)
+            self._unpaused.set()
+            self._event("policy_updated")
+        return hook_s, end - start
+
+    # -- rollout activity (for the generation idle ratio) ------------------------------------------
+
+    def rollout_started(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if self._rollouts is None:
+            self._rollouts = _BusyMeter(now)
+        self._rollouts.change(now, +1)
+
+    def rollout_finished(self) -> None:
+        assert self._rollouts is not None
+        self._rollouts.change(asyncio.get_running_loop().time(), -1)
+
+    def take_generation_idle(self) -> float:
+        """Seconds with no rollout running (or generation paused) since the last call."""
+        if self._rollouts is None:
+            return 0.0
+        return self._rollouts.take_idle(asyncio.get_running_loop().time())
+
+    # -- waiting ----------------------------------------------------------------------------
+
+    async def wait_for(self, predicate: Callable[[], bool], what: str) -> None:
+        """Wait, event-driven, until `predicate()` holds; raise StallError after the stall timeout."""
+        if predicate():
+            return
+        try:
+            async with asyncio.timeout(self.config.stall_timeout_s):
+                while not predicate():
+                    await self._changed.wait()
+        except TimeoutError:
+            raise StallError(
+                f"no progress for coordinator.stall_timeout_s={self.config.stall_timeout_s}s while "
+                f"waiting for {what}; counts: {self.snapshot()}"
+            ) from None
+
+    def notify(self) -> None:
+        """Wake every waiter to re-check its condition."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def snapshot(self) -> dict[str, int]:
+        return {**asdict(self.counts), "requeued": self.requeued, "version": self.version}
+
+    def _event(self, name: str) -> None:
+        if not self.counts.conserved():
+            raise AssertionError(f"group conservation violated after {name}: {self.snapshot()}")
+        if self.on_event is not None:
+            self.on_event(name, self.counts)
+        self.notify()

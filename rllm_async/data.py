@@ -1,0 +1,142 @@
+"""Task datasets (JSONL files or generator callables) and the TaskSource the trainer draws from."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rllm_async.config import DatasetConfig
+from rllm_async.imports import import_object
+
+
+class DataError(ValueError):
+    """A dataset row or file that cannot be used; the message names where and how to fix it."""
+
+
+def load_tasks(spec: DatasetConfig, split: str) -> list[dict[str, Any]]:
+    """Load the task dicts of one split, each with a unique string `id`."""
+    if spec.path is not None:
+        rows = _read_rows(Path(spec.path))
+        where = spec.path
+    else:
+        assert spec.generator is not None
+        fn = import_object(spec.generator, f"data.{split}.generator")
+        rows = list(fn(**spec.args))
+        where = spec.generator
+    if spec.limit is not None:
+        rows = rows[: spec.limit]
+    if not rows:
+        raise DataError(f"data.{split}: {where} has no tasks")
+    seen: set[str] = set()
+    tasks = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(
+                f"data.{split}: row {i} of {where} is a {type(row).__name__}, not an object; "
+                "each task must be a JSON object such as {\"id\": ..., \"prompt\": ...}"
+            )
+        task_id = str(row.get("id", f"{split}-{i}"))
+        if task_id in seen:
+            raise DataError(f"data.{split}: duplicate task id '{task_id}' (row {i} of {where}); ids must be unique")
+        seen.add(task_id)
+        tasks.append({**row, "id": task_id})
+    return tasks
+
+
+def _read_rows(path: Path) -> list[Any]:
+    if not path.exists():
+        raise DataError(f"dataset file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        if not isinstance(data, list):
+            raise DataError(f"{path}: a .json dataset must be a list of task objects")
+        return data
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{path}:{lineno}: invalid JSON ({e.msg}); each line must be one JSON object"
+            ) from None
+    return rows
+
+
+class TaskSource:
+    """Tasks in a seeded order, epoch after epoch, with requeued tasks served first.
+
+    Its state (epoch, cursor, requeued tasks) is part of a checkpoint, so that a resumed run
+    continues the same order.
+    """
+
+    def __init__(
+        self,
+        tasks: list[dict[str, Any]],
+        *,
+        seed: int,
+        shuffle: bool,
+        total_epochs: int | None,
+        on_epoch_start: Callable[[int], None] | None = None,
+        on_epoch_end: Callable[[int], None] | None = None,
+    ) -> None:
+        self.tasks = tasks
+        self.seed = seed
+        self.shuffle = shuffle
+        self.total_epochs = total_epochs
+        self.epoch = 0
+        self.cursor = 0
+        self.requeued: deque[dict[str, Any]] = deque()
+        self._on_epoch_start = on_epoch_start
+        self._on_epoch_end = on_epoch_end
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.tasks)))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.tasks)).tolist()
+
+    @property
+    def exhausted(self) -> bool:
+        return not self.requeued and self.total_epochs is not None and self.epoch >= self.total_epochs
+
+    def pop(self) -> dict[str, Any] | None:
+        """The next task, or None once every epoch has been served and nothing is requeued."""
+        if self.requeued:
+            return self.requeued.popleft()
+        if self.exhausted:
+            return None
+        if self.cursor == 0 and self._on_epoch_start is not None:
+            self._on_epoch_start(self.epoch)
+        task = self.tasks[self._order[self.cursor]]
+        self.cursor += 1
+        if self.cursor == len(self.tasks):
+            if self._on_epoch_end is not None:
+                self._on_epoch_end(self.epoch)
+            self.epoch += 1
+            self.cursor = 0
+            self._order = self._permutation(self.epoch)
+        return task
+
+    def requeue(self, task: dict[str, Any]) -> None:
+        self.requeued.append(task)
+
+    def state(self, pending: list[dict[str, Any]]) -> dict[str, Any]:
+        """Checkpoint state; `pending` (dispatched, not yet resolved) tasks are served again first."""
+        return {"epoch": self.epoch, "cursor": self.cursor, "requeued": [*pending, *self.requeued]}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.epoch = state["epoch"]
+        self.cursor = state["cursor"]
+        self.requeued = deque(state["requeued"])
+        self._order = self._permutation(self.epoch)

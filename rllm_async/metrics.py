@@ -1,0 +1,159 @@
+"""MetricsAggregator: per-step metrics with reductions declared where recorded, and their sinks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+Reduce = Literal["mean", "sum", "min", "max", "last"]
+_REDUCES = ("mean", "sum", "min", "max", "last")
+
+
+class MetricsSink(Protocol):
+    """Receives one record (a flat dict of numbers) per optimizer step."""
+
+    def write(self, record: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _Acc:
+    __slots__ = ("count", "last", "max", "min", "reduce", "total")
+
+    def __init__(self, reduce: Reduce) -> None:
+        self.reduce = reduce
+        self.count = 0
+        self.total = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+        self.last = math.nan
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        self.last = value
+        if value < self.min:
+            self.min = value
+        if value > self.max:
+            self.max = value
+
+    def value(self) -> float:
+        if self.reduce == "mean":
+            return self.total / self.count
+        if self.reduce == "sum":
+            return self.total
+        return getattr(self, self.reduce)
+
+
+class MetricsAggregator:
+    """Collects metrics for the current step; `flush` reduces them into one record for every sink.
+
+    A key's reduction is declared by the caller at each `record` and must never change, so nothing
+    is guessed from a key's name. A step's record is the union of all keys recorded during it.
+    """
+
+    def __init__(self, sinks: list[MetricsSink] | None = None) -> None:
+        self.sinks = list(sinks or [])
+        self._reduces: dict[str, Reduce] = {}
+        self._accs: dict[str, _Acc] = {}
+
+    def record(self, key: str, value: float, reduce: Reduce = "mean") -> None:
+        acc = self._accs.get(key)
+        if acc is None:
+            if reduce not in _REDUCES:
+                raise ValueError(f"metric '{key}': unknown reduction '{reduce}', use one of {_REDUCES}")
+            acc = self._accs[key] = _Acc(self._reduces.setdefault(key, reduce))
+        if acc.reduce != reduce:
+            raise ValueError(
+                f"metric '{key}' was declared with reduction '{acc.reduce}', now '{reduce}'"
+            )
+        acc.add(float(value))
+
+    def record_many(self, metrics: dict[str, float], reduce: Reduce = "mean") -> None:
+        for key, value in metrics.items():
+            self.record(key, value, reduce)
+
+    def peek(self, key: str) -> float | None:
+        """The current reduced value of `key` in this step, or None if not recorded yet."""
+        acc = self._accs.get(key)
+        return acc.value() if acc is not None else None
+
+    def flush(self, step: int) -> dict[str, float]:
+        """Reduce this step's metrics, send the record to every sink, and start a new step."""
+        record: dict[str, float] = {"step": step}
+        record.update({key: acc.value() for key, acc in sorted(self._accs.items())})
+        self._accs = {}
+        for sink in self.sinks:
+            sink.write(record)
+        return record
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+class JsonlSink:
+    """Appends one JSON object per step to `metrics.jsonl`, flushed at once so a crash loses nothing."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, float]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+class ProgressBarSink:
+    """A tqdm bar over optimizer steps with reward and staleness in its postfix."""
+
+    def __init__(self, total: int, initial: int = 0, desc: str = "train") -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+
+    def write(self, record: dict[str, float]) -> None:
+        postfix = {}
+        for key, short in (
+            ("reward/mean", "reward"),
+            ("eval/reward/mean", "eval"),
+            ("staleness/mean", "stale"),
+            ("staleness/max", "stale_max"),
+        ):
+            if key in record:
+                postfix[short] = f"{record[key]:.3g}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+class WandbSink:
+    """Logs each record to Weights & Biases; offline when no API key is configured."""
+
+    def __init__(self, project: str, name: str, entity: str | None, mode: str, config: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError as e:
+            raise RuntimeError(
+                "logging.wandb.enabled is true but wandb is not installed: "
+                "pip install 'rllm-async[wandb]' or set logging.wandb.enabled=false"
+            ) from e
+        if mode == "auto":
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        self._run = wandb.init(project=project, name=name, entity=entity, mode=mode, config=config)
+
+    def write(self, record: dict[str, float]) -> None:
+        self._run.log(dict(record), step=int(record["step"]))
+
+    def close(self) -> None:
+        self._run.finish()

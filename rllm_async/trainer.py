@@ -1,0 +1,529 @@
+"""UnifiedTrainer: one generation loop and one training loop under one structured-concurrency scope."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import os
+import shutil
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from rllm_async.algorithms.advantages import get_advantage_fn
+from rllm_async.backends import get_backend_factory
+from rllm_async.backends.base import Backend, SamplingParams
+from rllm_async.buffer import Dispatch, ReadyGroup, TrajectoryGroupBuffer
+from rllm_async.callbacks import Callback
+from rllm_async.config import Config, ConfigError
+from rllm_async.coordinator import State, SyncCoordinator
+from rllm_async.data import TaskSource, load_tasks
+from rllm_async.imports import import_object
+from rllm_async.metrics import JsonlSink, MetricsAggregator, MetricsSink, ProgressBarSink, WandbSink
+from rllm_async.types import Episode
+from rllm_async.workflows.base import RolloutContext, Workflow
+
+_BREAKER_MIN_ROLLOUTS = 32
+
+
+class FailureRateError(RuntimeError):
+    """Too many rollouts failed recently (`rollout.max_failure_rate`); the run stops."""
+
+
+class UnifiedTrainer:
+    """Trains `config.workflow` on `config.backend`, sync or async, with bounded staleness.
+
+    The generation loop dispatches a task whenever the coordinator admits one and starts its
+    `group_size` rollouts; the training loop streams ready groups into `forward_backward` every
+    `micro_batch_groups` groups and steps the optimizer every `groups_per_step` groups. `sync` mode
+    is the same code with pipeline depth 0, no staleness and pinned weights.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        backend: Backend | None = None,
+        workflow: Workflow | None = None,
+        callbacks: list[Callback] | None = None,
+        train_tasks: list[dict[str, Any]] | None = None,
+        eval_tasks: list[dict[str, Any]] | None = None,
+    ) -> None:
+        self.config = config
+        self.callbacks = list(callbacks or [])
+        try:
+            self.advantage_fn = get_advantage_fn(config.algorithm.advantage)
+        except KeyError as e:
+            raise ConfigError(str(e.args[0])) from None
+        self.train_tasks = train_tasks if train_tasks is not None else self._load("train")
+        self.eval_tasks = eval_tasks if eval_tasks is not None else self._load("eval")
+        self.workflow = workflow if workflow is not None else _build_workflow(config)
+        if backend is None:
+            factory = get_backend_factory(config.backend.name)
+            self.virtual_clock = bool(getattr(factory, "virtual_clock", False))
+            backend = factory.from_config(config)
+        else:
+            self.virtual_clock = bool(getattr(backend, "virtual_clock", False))
+        self.backend = backend
+        self.records: list[dict[str, float]] = []
+
+    def _load(self, split: str) -> list[dict[str, Any]]:
+        spec = getattr(self.config.data, split)
+        if spec is None:
+            if split == "train":
+                raise ConfigError(
+                    "data.train is not set: give data.train.path (a JSONL file of tasks) or "
+                    "data.train.generator (a callable returning task dicts)"
+                )
+            return []
+        return load_tasks(spec, split)
+
+    # -- entry points -------------------------------------------------------------------------
+
+    def run(self) -> list[dict[str, float]]:
+        """Run `fit()` to completion on a fresh event loop (a virtual clock for simulators)."""
+        from rllm_async.vclock import run
+
+        return run(self.fit(), virtual=self.virtual_clock)
+
+    async def fit(self) -> list[dict[str, float]]:
+        """Train until `train.total_steps` (or the end of the data); returns the step records."""
+        self._setup()
+        try:
+            if self._resume_from is not None:
+                await self._resume(*self._resume_from)
+            for cb in self.callbacks:
+                cb.on_train_start(self.coordinator.version)
+            async with asyncio.TaskGroup() as scope:
+                generation = scope.create_task(self._generate(), name="rllm-async:generation")
+                scope.create_task(self._train(generation), name="rllm-async:training")
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
+        finally:
+            await self._teardown()
+        return self.records
+
+    # -- setup and teardown -------------------------------------------------------------------
+
+    def _setup(self) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        self.run_path = cfg.run_path
+        self.run_path.mkdir(parents=True, exist_ok=True)
+        _write_config(cfg, self.run_path / "config.yaml")
+        self.coordinator = SyncCoordinator(
+            cfg.coordinator, cfg.train.groups_per_step, self.backend.on_policy_updated
+        )
+        self.buffer = TrajectoryGroupBuffer(
+            self.coordinator,
+            group_size=cfg.rollout.group_size,
+            min_group_size=cfg.rollout.min_group_size,
+            advantage_fn=self.advantage_fn,
+            normalize_std=cfg.algorithm.normalize_std,
+            filter_zero_variance=cfg.algorithm.filter_zero_variance,
+            capacity=(cfg.coordinator.pipeline_depth + 1) * cfg.train.groups_per_step,
+        )
+        self.source = TaskSource(
+            self.train_tasks,
+            seed=cfg.seed,
+            shuffle=cfg.data.train.shuffle if cfg.data.train is not None else True,
+            total_epochs=cfg.train.total_epochs,
+            on_epoch_start=self._epoch_started,
+            on_epoch_end=self._epoch_ended,
+        )
+        self.policy = self.backend.policy()
+        self.sampling = SamplingParams(
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            max_tokens=cfg.rollout.max_tokens,
+        )
+        self._pin = cfg.coordinator.weight_update == "pin"
+        self._slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
+        self._dispatch_ids = itertools.count()
+        self._outstanding: dict[int, Dispatch] = {}
+        self._outcomes: deque[bool] = deque(maxlen=cfg.rollout.failure_window)
+        self._last_error = ""
+        self._checkpointed = -1
+        self._resume_from = self._find_resume_checkpoint()
+        self.metrics = MetricsAggregator(self._sinks())
+        self._step_start = loop.time()
+        self._step_counts = self.coordinator.snapshot()
+        self._step_episodes = 0
+        self._step_tokens = 0
+
+    def _epoch_started(self, epoch: int) -> None:
+        for cb in self.callbacks:
+            cb.on_epoch_start(epoch)
+
+    def _epoch_ended(self, epoch: int) -> None:
+        for cb in self.callbacks:
+            cb.on_epoch_end(epoch)
+
+    def _sinks(self) -> list[MetricsSink]:
+        cfg = self.config
+        sinks: list[MetricsSink] = []
+        if cfg.logging.jsonl:
+            sinks.append(JsonlSink(self.run_path / "metrics.jsonl"))
+        if cfg.logging.progress_bar:
+            initial = self._resume_from[1]["version"] if self._resume_from else 0
+            sinks.append(ProgressBarSink(cfg.train.total_steps, initial=initial, desc=cfg.name))
+        if cfg.logging.wandb.enabled:
+            w = cfg.logging.wandb
+            sinks.append(WandbSink(w.project, cfg.name, w.entity, w.mode, cfg.model_dump(mode="json")))
+        return sinks
+
+    async def _teardown(self) -> None:
+        coord = self.coordinator
+        for _ in self.buffer.drain():
+            coord.move(State.BUFFERED, State.CANCELLED)
+        for _ in range(coord.counts.in_flight):
+            coord.move(State.IN_FLIGHT, State.CANCELLED)
+        self.metrics.close()
+        try:
+            await asyncio.wait_for(self.backend.close(), timeout=30)
+        finally:
+            for cb in self.callbacks:
+                cb.on_train_end(coord.version)
+
+    # -- generation ----------------------------------------------------------------------------
+
+    async def _generate(self) -> None:
+        """Dispatch tasks as admission allows, fire and forget; close the buffer at the data's end."""
+        coord, source = self.coordinator, self.source
+        async with asyncio.TaskGroup() as rollouts:
+            while True:
+                await coord.wait_admissible()
+                task = source.pop()
+                if task is None:
+                    # A stale group may still hand its task back; wait until none can.
+                    await coord.wait_for(
+                        lambda: bool(source.requeued) or coord.outstanding == 0, "end of data"
+                    )
+                    if source.requeued:
+                        continue
+                    break
+                coord.dispatch()
+                dispatch = Dispatch(next(self._dispatch_ids), task, task["id"], coord.version)
+                self._outstanding[dispatch.id] = dispatch
+                self.buffer.open(dispatch)
+                for index in range(self.config.rollout.group_size):
+                    rollouts.create_task(self._rollout(dispatch, index))
+        self.buffer.close()
+
+    async def _rollout(self, dispatch: Dispatch, index: int) -> None:
+        async with self._slots:
+            self.coordinator.rollout_started()
+            try:
+                episode = await self._attempts(dispatch, index)
+            finally:
+                self.coordinator.rollout_finished()
+        self._record_outcome(episode)
+        state = await self.buffer.add(dispatch.id, index, episode)
+        if state in (State.FILTERED, State.FAILED):
+            del self._outstanding[dispatch.id]
+
+    async def _attempts(self, dispatch: Dispatch, index: int) -> Episode | None:
+        """Run one rollout with its deadline, retrying failures; None when every attempt failed."""
+        ro, loop, m = self.config.rollout, asyncio.get_running_loop(), self.metrics
+        for attempt in range(ro.retries + 1):
+            if attempt:
+                m.record("rollout/retries", 1, "sum")
+            ctx = RolloutContext(
+                self.policy,
+                sampling=self.sampling,
+                pin=self._pin,
+                wait_unpaused=self.coordinator.wait_unpaused,
+                deadline=loop.time() + ro.timeout_s,
+                task_id=dispatch.task_id,
+                rollout_index=index,
+                attempt=attempt,
+            )
+            try:
+                async with asyncio.timeout_at(ctx.deadline):
+                    result = await self.workflow.run(dispatch.task, ctx)
+                episode = ctx.build_episode(result)
+                if not math.isfinite(episode.reward):
+                    raise ValueError(f"the workflow returned a non-finite reward {episode.reward}")
+            except TimeoutError:
+                m.record("rollout/timeouts", 1, "sum")
+                self._last_error = f"rollout timed out after rollout.timeout_s={ro.timeout_s}s"
+                continue
+            except Exception as e:
+                m.record("rollout/errors", 1, "sum")
+                self._last_error = f"{type(e).__name__}: {e}"
+                continue
+            finally:
+                ctx.close()
+            episode.task_id = dispatch.task_id
+            m.record("reward/mean", episode.reward)
+            if episode.is_correct is not None:
+                m.record("episode/correct", float(episode.is_correct))
+            tokens = episode.num_completion_tokens
+            m.record("episode/completion_tokens", tokens)
+            self._step_episodes += 1
+            self._step_tokens += tokens
+            return episode
+        m.record("rollout/failures", 1, "sum")
+        return None
+
+    def _record_outcome(self, episode: Episode | None) -> None:
+        """The failure-rate circuit breaker over the last `rollout.failure_window` rollouts."""
+        self._outcomes.append(episode is None)
+        n = len(self._outcomes)
+        if n < min(self.config.rollout.failure_window, _BREAKER_MIN_ROLLOUTS):
+            return
+        rate = sum(self._outcomes) / n
+        if rate > self.config.rollout.max_failure_rate:
+            raise FailureRateError(
+                f"{rate:.0%} of the last {n} rollouts failed (rollout.max_failure_rate="
+                f"{self.config.rollout.max_failure_rate}); last error: {self._last_error}. Fix the "
+                "workflow, or raise rollout.timeout_s / rollout.retries / rollout.max_failure_rate"
+            )
+
+    # -- training ------------------------------------------------------------------------------
+
+    async def _train(self, generation: asyncio.Task[None]) -> None:
+        try:
+            while self.coordinator.version < self.config.train.total_steps:
+                if not await self._train_step():
+                    if self.config.checkpoint.at_end and self._checkpointed != self.coordinator.version:
+                        await self.save_checkpoint()
+                    break
+        finally:
+            generation.cancel()
+
+    async def _train_step(self) -> bool:
+        """Consume one step's groups, streaming micro-batches; False when the data ran out."""
+        cfg, coord, m = self.config, self.coordinator, self.metrics
+        loop = asyncio.get_running_loop()
+        batch: list[ReadyGroup] = []
+        micro: list[ReadyGroup] = []
+        idle = 0.0
+        while len(batch) < cfg.train.groups_per_step:
+            t0 = loop.time()
+            ready = await self.buffer.get()
+            idle += loop.time() - t0
+            if ready is None:
+                break
+            del self._outstanding[ready.dispatch.id]
+            if coord.too_stale(ready.min_version):
+                requeue = cfg.coordinator.stale_policy == "requeue"
+                coord.move(State.BUFFERED, State.DROPPED_STALE, requeued=requeue)
+                if requeue:
+                    self.source.requeue(ready.dispatch.task)
+                continue
+            coord.move(State.BUFFERED, State.CONSUMED)
+            staleness = coord.staleness(ready.min_version)
+            m.record("staleness/mean", staleness)
+            m.record("staleness/max", staleness, "max")
+            batch.append(ready)
+            micro.append(ready)
+            if len(micro) == cfg.train.micro_batch_groups:
+                await self._forward_backward(micro)
+                micro = []
+        if not batch:
+            return False
+        if micro:
+            await self._forward_backward(micro)
+        t0 = loop.time()
+        m.record_many(await self.backend.optim_step(), "last")
+        m.record("time/optim_step_s", loop.time() - t0, "sum")
+        hook_s, sync_s = await coord.update_policy(coord.version + 1)
+        m.record("time/sync_s", sync_s, "sum")
+        m.record("time/sync_overhead_s", sync_s - hook_s, "sum")
+        m.record("async/trainer_idle_s", idle, "sum")
+        await self._after_step(len(batch))
+        return True
+
+    async def _forward_backward(self, micro: list[ReadyGroup]) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        groups = [g for ready in micro for g in ready.groups]
+        out = await self.backend.forward_backward(groups, self.config.algorithm.loss)
+        self.metrics.record_many(out, "mean")
+        self.metrics.record("time/forward_backward_s", loop.time() - t0, "sum")
+
+    async def _after_step(self, num_groups: int) -> None:
+        """Close the step: its record, then evaluation and checkpoint when due."""
+        cfg, coord, m = self.config, self.coordinator, self.metrics
+        loop = asyncio.get_running_loop()
+        step = coord.version
+        last = step >= cfg.train.total_steps or self.buffer.finished
+        now = loop.time()
+        step_s = max(now - self._step_start, 1e-12)
+        counts = coord.snapshot()
+        for key in ("consumed", "filtered", "failed", "dropped_stale", "requeued"):
+            m.record(f"groups/{key}", counts[key] - self._step_counts[key], "sum")
+        m.record("groups/in_flight", counts["in_flight"], "last")
+        m.record("groups/buffered", counts["buffered"], "last")
+        m.record("policy_version", step, "last")
+        m.record("time/step_s", step_s, "last")
+        m.record("async/trainer_idle_ratio", (m.peek("async/trainer_idle_s") or 0.0) / step_s, "last")
+        m.record("async/generation_idle_ratio", coord.take_generation_idle() / step_s, "last")
+        m.record("episodes/per_s", self._step_episodes / step_s, "last")
+        m.record("tokens/per_s", self._step_tokens / step_s, "last")
+        m.record("data/epoch", self.source.epoch, "last")
+        m.record("train/groups", num_groups, "last")
+        every = cfg.eval.every_steps
+        if self.eval_tasks and ((every and step % every == 0) or (last and cfg.eval.at_end)):
+            m.record_many(await self.evaluate(), "last")
+        record = m.flush(step)
+        self.records.append(record)
+        for cb in self.callbacks:
+            cb.on_step_end(step, record)
+        ck = cfg.checkpoint
+        if (ck.every_steps and step % ck.every_steps == 0) or (last and ck.at_end):
+            await self.save_checkpoint()
+        self._step_start = loop.time()
+        self._step_counts = coord.snapshot()
+        self._step_episodes = self._step_tokens = 0
+
+    # -- evaluation ----------------------------------------------------------------------------
+
+    async def evaluate(self) -> dict[str, float]:
+        """Run every eval task once on one pinned policy version; returns `eval/*` metrics."""
+        if not self.eval_tasks:
+            return {}
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        sampling = SamplingParams(
+            temperature=cfg.eval.temperature,
+            top_p=1.0,
+            max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
+        )
+        version = self.policy.acquire()
+        slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
+
+        async def one(task: dict[str, Any]) -> Episode | None:
+            async with slots:
+                ctx = RolloutContext(
+                    self.policy,
+                    sampling=sampling,
+                    pin=True,
+                    version=version,
+                    wait_unpaused=self.coordinator.wait_unpaused,
+                    deadline=loop.time() + cfg.rollout.timeout_s,
+                    task_id=task["id"],
+                )
+                try:
+                    async with asyncio.timeout_at(ctx.deadline):
+                        return ctx.build_episode(await self.workflow.run(task, ctx))
+                except Exception:
+                    return None
+                finally:
+                    ctx.close()
+
+        try:
+            episodes = await asyncio.gather(*(one(t) for t in self.eval_tasks))
+        finally:
+            self.policy.release(version)
+        done = [e for e in episodes if e is not None]
+        out = {
+            "eval/policy_version": float(version),
+            "eval/n": float(len(done)),
+            "eval/failed": float(len(episodes) - len(done)),
+            "eval/time_s": loop.time() - t0,
+        }
+        if done:
+            out["eval/reward/mean"] = sum(e.reward for e in done) / len(done)
+            judged = [e.is_correct for e in done if e.is_correct is not None]
+            if judged:
+                out["eval/accuracy"] = sum(judged) / len(judged)
+        for cb in self.callbacks:
+            cb.on_eval_end(self.coordinator.version, out)
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    async def save_checkpoint(self) -> Path:
+        """Write `checkpoints/step_<N>/` atomically: backend state + trainer state, then rename."""
+        step = self.coordinator.version
+        root = self.run_path / "checkpoints"
+        final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        await self.backend.save(tmp / "backend")
+        pending = [d.task for d in sorted(self._outstanding.values(), key=lambda d: d.id)]
+        state = {"version": step, "source": self.source.state(pending)}
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        self._checkpointed = step
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        keep = self.config.checkpoint.keep_last
+        if keep is not None:
+            for old in _checkpoints(root)[:-keep]:
+                shutil.rmtree(old)
+        return final
+
+    def _find_resume_checkpoint(self) -> tuple[Path, dict[str, Any]] | None:
+        resume = self.config.checkpoint.resume
+        if resume == "never":
+            return None
+        if resume == "auto":
+            found = _checkpoints(self.run_path / "checkpoints")
+            if not found:
+                return None
+            path = found[-1]
+        else:
+            path = Path(resume)
+            if not (path / "trainer_state.json").exists():
+                raise ConfigError(
+                    f"checkpoint.resume: {path} is not a checkpoint directory (no trainer_state.json); "
+                    "use auto, never, or a runs/<name>/checkpoints/step_<N> directory"
+                )
+        return path, json.loads((path / "trainer_state.json").read_text())
+
+    async def _resume(self, path: Path, state: dict[str, Any]) -> None:
+        await self.backend.load(path / "backend")
+        await self.backend.on_policy_updated(state["version"])
+        self.source.load_state(state["source"])
+        self.coordinator.version = state["version"]
+        # Groups consumed before the checkpoint count toward admission as in the original run.
+        self.coordinator.counts.dispatched = self.coordinator.counts.consumed = (
+            state["version"] * self.config.train.groups_per_step
+        )
+        self._step_counts = self.coordinator.snapshot()
+        self._step_start = asyncio.get_running_loop().time()
+        self.coordinator.notify()
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.iterdir()
+        if p.name.startswith("step_") and p.name[5:].isdigit() and (p / "trainer_state.json").exists()
+    ]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def _build_workflow(config: Config) -> Workflow:
+    cls = import_object(config.workflow.cls, "workflow.cls")
+    if not (isinstance(cls, type) and issubclass(cls, Workflow)):
+        raise ConfigError(f"workflow.cls: {config.workflow.cls} is not a Workflow subclass")
+    try:
+        return cls(**config.workflow.args)
+    except TypeError as e:
+        raise ConfigError(f"workflow.args for {config.workflow.cls}: {e}") from None
+
+
+def _write_config(config: Config, path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    path.write_text(OmegaConf.to_yaml(config.model_dump(mode="json")))
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The root error of a failed scope, so that users see it rather than an ExceptionGroup."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first_error(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return group
