@@ -204,20 +204,24 @@ class Config(_Section):
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a YAML config (or the defaults when `path` is None) and apply `key=value` overrides."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
         base = OmegaConf.load(path) if path is not None else OmegaConf.create({})
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or [])))
-        data = OmegaConf.to_container(merged, resolve=True)
     except FileNotFoundError as e:
         raise ConfigError(f"config file not found: {path}") from e
     except (OmegaConfBaseException, ValueError) as e:
-        raise ConfigError(f"cannot read config {path or ''} {overrides or ''}: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"config {path} must be a mapping of sections, got {type(data).__name__}")
-    return config_from_dict(data)
+        raise ConfigError(f"cannot read config {path}: {e}") from e
+    if not isinstance(base, DictConfig):
+        raise ConfigError(f"config {path} must be a mapping of sections, not a list")
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or [])))
+    except (OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"cannot apply overrides {overrides}: {e}; write them as key=value") from e
+    data = OmegaConf.to_container(merged, resolve=True)
+    assert isinstance(data, dict)
+    return config_from_dict({str(k): v for k, v in data.items()})
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

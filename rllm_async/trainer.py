@@ -67,6 +67,9 @@ class UnifiedTrainer:
         else:
             self.virtual_clock = bool(getattr(backend, "virtual_clock", False))
         self.backend = backend
+        self.coordinator = SyncCoordinator(
+            config.coordinator, config.train.groups_per_step, backend.on_policy_updated
+        )
         self.records: list[dict[str, float]] = []
 
     def _load(self, split: str) -> list[dict[str, Any]]:
@@ -113,9 +116,6 @@ class UnifiedTrainer:
         self.run_path = cfg.run_path
         self.run_path.mkdir(parents=True, exist_ok=True)
         _write_config(cfg, self.run_path / "config.yaml")
-        self.coordinator = SyncCoordinator(
-            cfg.coordinator, cfg.train.groups_per_step, self.backend.on_policy_updated
-        )
         self.buffer = TrajectoryGroupBuffer(
             self.coordinator,
             group_size=cfg.rollout.group_size,
@@ -257,7 +257,7 @@ class UnifiedTrainer:
             finally:
                 ctx.close()
             episode.task_id = dispatch.task_id
-            m.record("reward/mean", episode.reward)
+            m.record("rollout/reward/mean", episode.reward)
             if episode.is_correct is not None:
                 m.record("episode/correct", float(episode.is_correct))
             tokens = episode.num_completion_tokens
@@ -315,6 +315,8 @@ class UnifiedTrainer:
                     self.source.requeue(ready.dispatch.task)
                 continue
             coord.move(State.BUFFERED, State.CONSUMED)
+            for episode in ready.episodes:
+                m.record("reward/mean", episode.reward)
             staleness = coord.staleness(ready.min_version)
             m.record("staleness/mean", staleness)
             m.record("staleness/max", staleness, "max")

@@ -1,0 +1,1 @@
+"""Advantage estimators (pure Python) and policy-gradient losses (torch)."""

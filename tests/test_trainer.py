@@ -1,0 +1,196 @@
+"""UnifiedTrainer behaviour on the virtual clock: steps, timeouts, failures, filtering, sync faults."""
+
+from __future__ import annotations
+
+import pytest
+
+from rllm_async.coordinator import StallError, SyncTimeoutError
+from rllm_async.trainer import FailureRateError, UnifiedTrainer
+from rllm_async.vclock import run
+from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
+
+
+def fit(trainer: UnifiedTrainer) -> list[dict[str, float]]:
+    return run(trainer.fit(), virtual=True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("steps", [1, 7])
+def test_total_steps_gives_exactly_that_many_optimizer_steps(tmp_path, mode, steps) -> None:
+    backend = FakeBackend(latency=lambda: 0.3, train_s=0.2)
+    cfg = make_config(tmp_path, mode=mode, train={"total_steps": steps})
+    records = fit(UnifiedTrainer(cfg, backend=backend, workflow=ScriptedWorkflow(), train_tasks=tasks(9)))
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert len(backend.trained) == steps
+    assert backend.policy().version == steps
+
+
+def test_rollouts_that_never_return_are_reclaimed_at_their_deadline(tmp_path) -> None:
+    hang_first_attempt = lambda task, i, attempt: "hang" if i == 0 and attempt == 0 else None  # noqa: E731
+    workflow = ScriptedWorkflow(fault=hang_first_attempt)
+    backend = FakeBackend(latency=lambda: 0.1)
+    cfg = make_config(tmp_path, rollout={"timeout_s": 30.0, "retries": 1, "max_concurrency": 8})
+    trainer = UnifiedTrainer(cfg, backend=backend, workflow=workflow, train_tasks=tasks(30))
+    records = fit(trainer)
+    assert len(records) == 5
+    assert sum(r.get("rollout/timeouts", 0) for r in records) >= 5
+    # Every timed-out rollout was retried and succeeded, so no group lost a member.
+    assert all(len(rewards) == 4 for step in backend.trained for _, rewards in step)
+    assert trainer._slots._value == 8, "every concurrency slot is free again"
+    # Each step waits ~one deadline for its hung rollouts, then goes on.
+    assert 30.0 <= records[0]["time/step_s"] < 40.0
+
+
+def test_workflow_errors_are_retried_then_counted(tmp_path) -> None:
+    # Rollout 0 of every task fails on its first attempt only: the retry rescues it.
+    workflow = ScriptedWorkflow(fault=lambda t, i, a: "raise" if i == 0 and a == 0 else None)
+    backend = FakeBackend()
+    cfg = make_config(tmp_path, rollout={"retries": 1})
+    records = fit(UnifiedTrainer(cfg, backend=backend, workflow=workflow, train_tasks=tasks(30)))
+    assert sum(r.get("rollout/retries", 0) for r in records) >= 20
+    assert sum(r.get("rollout/failures", 0) for r in records) == 0
+    assert all(len(rewards) == 4 for step in backend.trained for _, rewards in step)
+
+
+def test_group_trains_on_survivors_or_fails_and_frees_its_slot(tmp_path) -> None:
+    # Task t0 loses one rollout (3 of 4 survive >= min 2): it trains on survivors.
+    # Task t1 loses three (1 < min 2): the group fails and its slot goes to another task.
+    def fault(task, i, attempt):
+        if task["id"] == "t0" and i == 0:
+            return "raise"
+        if task["id"] == "t1" and i in (0, 1, 2):
+            return "raise"
+        return None
+
+    backend = FakeBackend(latency=lambda: 0.1)
+    cfg = make_config(
+        tmp_path,
+        train={"total_steps": 3, "groups_per_step": 4, "micro_batch_groups": 4},
+        rollout={"retries": 0, "min_group_size": 2, "max_failure_rate": 0.9},
+        data={"train": {"generator": "tests.fakes:tasks", "args": {"n": 12}, "shuffle": False}},
+        coordinator={"pipeline_depth": 0, "max_staleness": 0},
+    )
+    trainer = UnifiedTrainer(cfg, backend=backend, workflow=ScriptedWorkflow(fault=fault))
+    records = fit(trainer)
+    trained = {task_id: rewards for step in backend.trained for task_id, rewards in step}
+    assert len(trained["t0"]) == 3
+    assert "t1" not in trained
+    assert sum(r["groups/failed"] for r in records) == 1
+    assert [len(step) for step in backend.trained] == [4, 4, 4]
+
+
+def test_failure_rate_breaker_stops_the_run_with_a_clear_error(tmp_path) -> None:
+    workflow = ScriptedWorkflow(fault=lambda t, i, a: "raise" if i < 3 else None)
+    cfg = make_config(tmp_path, rollout={"retries": 1, "max_failure_rate": 0.5})
+    trainer = UnifiedTrainer(cfg, backend=FakeBackend(), workflow=workflow, train_tasks=tasks(50))
+    with pytest.raises(FailureRateError, match=r"75% of the last .* rollouts failed.*injected"):
+        fit(trainer)
+
+
+def test_breaker_tolerates_failures_below_the_rate(tmp_path) -> None:
+    workflow = ScriptedWorkflow(fault=lambda t, i, a: "raise" if i == 0 else None)
+    cfg = make_config(tmp_path, rollout={"retries": 0, "max_failure_rate": 0.3})
+    records = fit(UnifiedTrainer(cfg, backend=FakeBackend(), workflow=workflow, train_tasks=tasks(50)))
+    assert len(records) == 5
+
+
+def test_zero_variance_filtering_frees_slots_and_the_run_ends_at_the_end_of_data(tmp_path) -> None:
+    # Even tasks always get reward 1 (zero variance, filtered); odd tasks get mixed rewards.
+    reward = lambda task, i, a: 1.0 if int(task["id"][1:]) % 2 == 0 else float(i % 2)  # noqa: E731
+    backend = FakeBackend(latency=lambda: 0.2)
+    cfg = make_config(
+        tmp_path,
+        train={"total_steps": 100, "total_epochs": 1, "groups_per_step": 3, "micro_batch_groups": 1},
+        coordinator={"pipeline_depth": 0, "max_staleness": 0, "stall_timeout_s": 1000.0},
+        checkpoint={"at_end": True},
+    )
+    trainer = UnifiedTrainer(cfg, backend=backend, workflow=ScriptedWorkflow(reward=reward), train_tasks=tasks(20))
+    records = fit(trainer)
+    trained_ids = [task_id for step in backend.trained for task_id, _ in step]
+    assert sorted(trained_ids) == sorted(f"t{i}" for i in range(1, 20, 2))
+    assert sum(r["groups/filtered"] for r in records) == 10
+    assert [len(s) for s in backend.trained] == [3, 3, 3, 1]  # the last step is partial
+    assert (cfg.run_path / "checkpoints" / "step_4").is_dir()
+
+
+def test_sync_hook_that_raises_surfaces_and_generation_resumes(tmp_path) -> None:
+    backend = FakeBackend(sync_fault=lambda v: "raise" if v == 2 else None)
+    cfg = make_config(tmp_path, coordinator={"sync_retries": 1})
+    trainer = UnifiedTrainer(cfg, backend=backend, workflow=ScriptedWorkflow(), train_tasks=tasks(30))
+    with pytest.raises(RuntimeError, match="injected sync failure at version 2"):
+        fit(trainer)
+    assert not trainer.coordinator.paused
+    assert trainer.coordinator.version == 1
+
+
+def test_sync_hook_that_fails_once_is_retried(tmp_path) -> None:
+    failed: set[int] = set()
+
+    def once(version: int) -> str | None:
+        if version == 3 and version not in failed:
+            failed.add(version)
+            return "raise"
+        return None
+
+    backend = FakeBackend(sync_fault=once)
+    cfg = make_config(tmp_path, coordinator={"sync_retries": 1})
+    records = fit(UnifiedTrainer(cfg, backend=backend, workflow=ScriptedWorkflow(), train_tasks=tasks(30)))
+    assert len(records) == 5
+
+
+def test_sync_hook_that_hangs_times_out_and_generation_resumes(tmp_path) -> None:
+    backend = FakeBackend(sync_fault=lambda v: "hang" if v == 2 else None)
+    cfg = make_config(tmp_path, coordinator={"sync_timeout_s": 42.0})
+    trainer = UnifiedTrainer(cfg, backend=backend, workflow=ScriptedWorkflow(), train_tasks=tasks(30))
+
+    async def timed() -> float:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(SyncTimeoutError, match="sync_timeout_s=42.0"):
+            await trainer.fit()
+        return loop.time() - t0
+
+    elapsed = run(timed(), virtual=True)
+    assert 42.0 <= elapsed < 50.0
+    assert not trainer.coordinator.paused
+
+
+def test_stall_is_reported_with_counts(tmp_path) -> None:
+    # Every rollout hangs and the deadline is longer than the stall timeout.
+    workflow = ScriptedWorkflow(fault=lambda t, i, a: "hang")
+    cfg = make_config(
+        tmp_path, rollout={"timeout_s": 1e6}, coordinator={"stall_timeout_s": 100.0}
+    )
+    trainer = UnifiedTrainer(cfg, backend=FakeBackend(), workflow=workflow, train_tasks=tasks(10))
+    with pytest.raises(StallError, match="in_flight"):
+        fit(trainer)
+
+
+def test_latest_mode_records_newer_versions_and_pin_never_spans_two(tmp_path) -> None:
+    import asyncio
+
+    from rllm_async.workflows.base import Workflow
+
+    class TwoCalls(Workflow):
+        def __init__(self) -> None:
+            self.versions: list[tuple[int, int]] = []
+
+        async def run(self, task, ctx):
+            a = await ctx.generate([1])
+            await asyncio.sleep(5.0)  # a weight sync happens in between
+            b = await ctx.generate([2])
+            self.versions.append((a.versions[0], b.versions[0]))
+            return float(ctx.rollout_index % 2)
+
+    for mode, spans in (("pin", False), ("latest", True)):
+        wf = TwoCalls()
+        cfg = make_config(
+            tmp_path,
+            name=mode,
+            coordinator={"pipeline_depth": 2, "max_staleness": 4, "weight_update": mode},
+        )
+        fit(UnifiedTrainer(cfg, backend=FakeBackend(train_s=1.0), workflow=wf, train_tasks=tasks(40)))
+        spanned = any(a != b for a, b in wf.versions)
+        assert spanned is spans, mode
