@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ class Dispatch:
     task: dict[str, Any]
     task_id: str
     version: int
+    tokens: int = 0  # completion tokens of its finished rollouts so far
 
 
 @dataclass(slots=True)
@@ -30,10 +30,7 @@ class ReadyGroup:
     dispatch: Dispatch
     groups: list[TrajectoryGroup]
     episodes: list[Episode]
-
-    @property
-    def min_version(self) -> int:
-        return min(g.min_version for g in self.groups)
+    min_version: int  # oldest token version in any of its groups, computed once
 
 
 @dataclass(slots=True)
@@ -131,7 +128,7 @@ class TrajectoryGroupBuffer:
             )
         if not groups:
             return None
-        return ReadyGroup(pending.dispatch, groups, episodes)
+        return ReadyGroup(pending.dispatch, groups, episodes, min(g.min_version for g in groups))
 
     async def get(self) -> ReadyGroup | None:
         """The ready group with the oldest policy version; None once closed and drained."""

@@ -46,7 +46,9 @@ class DatasetConfig(_Section):
     @model_validator(mode="after")
     def _one_source(self) -> DatasetConfig:
         if (self.path is None) == (self.generator is None):
-            raise ValueError("give exactly one of `path` (a JSONL file) or `generator` (a callable)")
+            raise ValueError(
+                "give exactly one of `path` (a JSONL file) or `generator` (a callable)"
+            )
         return self
 
 
@@ -218,7 +220,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or [])))
     except (OmegaConfBaseException, ValueError) as e:
-        raise ConfigError(f"cannot apply overrides {overrides}: {e}; write them as key=value") from e
+        raise ConfigError(
+            f"cannot apply overrides {overrides}: {e}; write them as key=value"
+        ) from e
     data = OmegaConf.to_container(merged, resolve=True)
     assert isinstance(data, dict)
     return config_from_dict({str(k): v for k, v in data.items()})
@@ -260,12 +264,11 @@ def _explain(error: ValidationError, root: type[BaseModel], prefix: str = "") ->
 
 
 def _known_keys(root: type[BaseModel], path: list[str]) -> list[str]:
-    model: Any = root
+    """The keys of the section at `path` (for "did you mean"), or [] if it is not a section."""
+    model: type[BaseModel] | None = root
     for part in path:
-        field = model.model_fields.get(part) if isinstance(model, type) else None
+        field = model.model_fields.get(part) if model is not None else None
         ann = field.annotation if field is not None else None
-        candidates = [a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type)]
-        model = next((c for c in candidates if issubclass(c, BaseModel)), None)
-        if model is None:
-            return []
-    return sorted(model.model_fields)
+        options = getattr(ann, "__args__", (ann,))
+        model = next((a for a in options if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return sorted(model.model_fields) if model is not None else []

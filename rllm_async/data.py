@@ -38,11 +38,13 @@ def load_tasks(spec: DatasetConfig, split: str) -> list[dict[str, Any]]:
         if not isinstance(row, dict):
             raise DataError(
                 f"data.{split}: row {i} of {where} is a {type(row).__name__}, not an object; "
-                "each task must be a JSON object such as {\"id\": ..., \"prompt\": ...}"
+                'each task must be a JSON object such as {"id": ..., "prompt": ...}'
             )
         task_id = str(row.get("id", f"{split}-{i}"))
         if task_id in seen:
-            raise DataError(f"data.{split}: duplicate task id '{task_id}' (row {i} of {where}); ids must be unique")
+            raise DataError(
+                f"data.{split}: duplicate task id '{task_id}' (row {i} of {where}); ids must be unique"
+            )
         seen.add(task_id)
         tasks.append({**row, "id": task_id})
     return tasks
@@ -108,7 +110,9 @@ class TaskSource:
 
     @property
     def exhausted(self) -> bool:
-        return not self.requeued and self.total_epochs is not None and self.epoch >= self.total_epochs
+        return (
+            not self.requeued and self.total_epochs is not None and self.epoch >= self.total_epochs
+        )
 
     def pop(self) -> dict[str, Any] | None:
         """The next task, or None once every epoch has been served and nothing is requeued."""

@@ -64,7 +64,9 @@ class MetricsAggregator:
         acc = self._accs.get(key)
         if acc is None:
             if reduce not in _REDUCES:
-                raise ValueError(f"metric '{key}': unknown reduction '{reduce}', use one of {_REDUCES}")
+                raise ValueError(
+                    f"metric '{key}': unknown reduction '{reduce}', use one of {_REDUCES}"
+                )
             acc = self._accs[key] = _Acc(self._reduces.setdefault(key, reduce))
         if acc.reduce != reduce:
             raise ValueError(
@@ -103,7 +105,10 @@ class JsonlSink:
         self._file = path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, float]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in record.items()
+        }
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
 
@@ -140,7 +145,9 @@ class ProgressBarSink:
 class WandbSink:
     """Logs each record to Weights & Biases; offline when no API key is configured."""
 
-    def __init__(self, project: str, name: str, entity: str | None, mode: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self, project: str, name: str, entity: str | None, mode: str, config: dict[str, Any]
+    ) -> None:
         try:
             import wandb
         except ImportError as e:

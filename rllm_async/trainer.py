@@ -171,7 +171,9 @@ class UnifiedTrainer:
             sinks.append(ProgressBarSink(cfg.train.total_steps, initial=initial, desc=cfg.name))
         if cfg.logging.wandb.enabled:
             w = cfg.logging.wandb
-            sinks.append(WandbSink(w.project, cfg.name, w.entity, w.mode, cfg.model_dump(mode="json")))
+            sinks.append(
+                WandbSink(w.project, cfg.name, w.entity, w.mode, cfg.model_dump(mode="json"))
+            )
         return sinks
 
     async def _teardown(self) -> None:
@@ -220,9 +222,12 @@ class UnifiedTrainer:
             finally:
                 self.coordinator.rollout_finished()
         self._record_outcome(episode)
+        if episode is not None:
+            dispatch.tokens += episode.num_completion_tokens
         state = await self.buffer.add(dispatch.id, index, episode)
         if state in (State.FILTERED, State.FAILED):
             del self._outstanding[dispatch.id]
+            self.metrics.record("tokens/wasted", dispatch.tokens, "sum")
 
     async def _attempts(self, dispatch: Dispatch, index: int) -> Episode | None:
         """Run one rollout with its deadline, retrying failures; None when every attempt failed."""
@@ -249,10 +254,12 @@ class UnifiedTrainer:
             except TimeoutError:
                 m.record("rollout/timeouts", 1, "sum")
                 self._last_error = f"rollout timed out after rollout.timeout_s={ro.timeout_s}s"
+                self._count_tokens(ctx.num_completion_tokens, wasted=True)
                 continue
             except Exception as e:
                 m.record("rollout/errors", 1, "sum")
                 self._last_error = f"{type(e).__name__}: {e}"
+                self._count_tokens(ctx.num_completion_tokens, wasted=True)
                 continue
             finally:
                 ctx.close()
@@ -262,11 +269,17 @@ class UnifiedTrainer:
                 m.record("episode/correct", float(episode.is_correct))
             tokens = episode.num_completion_tokens
             m.record("episode/completion_tokens", tokens)
+            self._count_tokens(tokens, wasted=False)
             self._step_episodes += 1
-            self._step_tokens += tokens
             return episode
         m.record("rollout/failures", 1, "sum")
         return None
+
+    def _count_tokens(self, tokens: int, *, wasted: bool) -> None:
+        self._step_tokens += tokens
+        self.metrics.record("tokens/generated", tokens, "sum")
+        if wasted:
+            self.metrics.record("tokens/wasted", tokens, "sum")
 
     def _record_outcome(self, episode: Episode | None) -> None:
         """The failure-rate circuit breaker over the last `rollout.failure_window` rollouts."""
@@ -288,7 +301,10 @@ class UnifiedTrainer:
         try:
             while self.coordinator.version < self.config.train.total_steps:
                 if not await self._train_step():
-                    if self.config.checkpoint.at_end and self._checkpointed != self.coordinator.version:
+                    if (
+                        self.config.checkpoint.at_end
+                        and self._checkpointed != self.coordinator.version
+                    ):
                         await self.save_checkpoint()
                     break
         finally:
@@ -311,6 +327,7 @@ class UnifiedTrainer:
             if coord.too_stale(ready.min_version):
                 requeue = cfg.coordinator.stale_policy == "requeue"
                 coord.move(State.BUFFERED, State.DROPPED_STALE, requeued=requeue)
+                m.record("tokens/wasted", ready.dispatch.tokens, "sum")
                 if requeue:
                     self.source.requeue(ready.dispatch.task)
                 continue
@@ -362,7 +379,9 @@ class UnifiedTrainer:
         m.record("groups/buffered", counts["buffered"], "last")
         m.record("policy_version", step, "last")
         m.record("time/step_s", step_s, "last")
-        m.record("async/trainer_idle_ratio", (m.peek("async/trainer_idle_s") or 0.0) / step_s, "last")
+        m.record(
+            "async/trainer_idle_ratio", (m.peek("async/trainer_idle_s") or 0.0) / step_s, "last"
+        )
         m.record("async/generation_idle_ratio", coord.take_generation_idle() / step_s, "last")
         m.record("episodes/per_s", self._step_episodes / step_s, "last")
         m.record("tokens/per_s", self._step_tokens / step_s, "last")
@@ -500,7 +519,9 @@ def _checkpoints(root: Path) -> list[Path]:
     found = [
         p
         for p in root.iterdir()
-        if p.name.startswith("step_") and p.name[5:].isdigit() and (p / "trainer_state.json").exists()
+        if p.name.startswith("step_")
+        and p.name[5:].isdigit()
+        and (p / "trainer_state.json").exists()
     ]
     return sorted(found, key=lambda p: int(p.name[5:]))
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class Termination(str, enum.Enum):
+class Termination(enum.StrEnum):
     """Why an episode ended."""
 
     DONE = "done"

@@ -25,5 +25,5 @@ def test_registry() -> None:
         return [math.copysign(1.0, r) for r in rewards]
 
     assert get_advantage_fn("test_sign")([-2.0, 3.0]) == [-1.0, 1.0]
-    with pytest.raises(KeyError, match="unknown algorithm.advantage 'nope'.*grpo"):
+    with pytest.raises(KeyError, match=r"unknown algorithm\.advantage 'nope'.*grpo"):
         get_advantage_fn("nope")

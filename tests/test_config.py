@@ -18,7 +18,9 @@ def test_defaults_and_dotlist_overrides(tmp_path) -> None:
 
 
 def test_unknown_key_suggests_the_close_one() -> None:
-    with pytest.raises(ConfigError, match=r"unknown key 'coordinator.pipline_depth': did you mean 'pipeline_depth'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'coordinator.pipline_depth': did you mean 'pipeline_depth'"
+    ):
         load_config(None, ["coordinator.pipline_depth=2"])
     with pytest.raises(ConfigError, match=r"unknown key 'trian': did you mean 'train'"):
         config_from_dict({"trian": {}})
@@ -32,11 +34,23 @@ def test_wrong_type_names_the_key_and_value() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["coordinator.pipeline_depth=3", "coordinator.max_staleness=1"], "max_staleness .1. must be >= .*pipeline_depth .3."),
-        (["mode=sync", "coordinator.pipeline_depth=2"], "mode: sync is strictly on-policy.*pipeline_depth"),
-        (["mode=sync", "coordinator.weight_update=latest"], "mode: sync needs coordinator.weight_update: pin"),
+        (
+            ["coordinator.pipeline_depth=3", "coordinator.max_staleness=1"],
+            "max_staleness .1. must be >= .*pipeline_depth .3.",
+        ),
+        (
+            ["mode=sync", "coordinator.pipeline_depth=2"],
+            "mode: sync is strictly on-policy.*pipeline_depth",
+        ),
+        (
+            ["mode=sync", "coordinator.weight_update=latest"],
+            "mode: sync needs coordinator.weight_update: pin",
+        ),
         (["rollout.min_group_size=9", "rollout.group_size=8"], "min_group_size .9. cannot exceed"),
-        (["train.micro_batch_groups=32", "train.groups_per_step=16"], "micro_batch_groups .32. cannot exceed"),
+        (
+            ["train.micro_batch_groups=32", "train.groups_per_step=16"],
+            "micro_batch_groups .32. cannot exceed",
+        ),
         (["coordinator.stale_policy=keep"], "coordinator.stale_policy"),
         (["rollout.max_failure_rate=1.5"], "rollout.max_failure_rate"),
     ],

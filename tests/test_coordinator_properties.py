@@ -31,7 +31,9 @@ def schedules(draw: st.DrawFn) -> dict:
     }
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(s=schedules())
 def test_conservation_and_hard_bound(tmp_path, s: dict) -> None:
     rng = random.Random(s["seed"])

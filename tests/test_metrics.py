@@ -53,13 +53,32 @@ def test_trainer_records_have_the_documented_keys(tmp_path) -> None:
     from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
 
     cfg = make_config(tmp_path)
-    run(UnifiedTrainer(cfg, backend=FakeBackend(latency=lambda: 0.5), workflow=ScriptedWorkflow(), train_tasks=tasks(40)).fit(), virtual=True)
+    run(
+        UnifiedTrainer(
+            cfg,
+            backend=FakeBackend(latency=lambda: 0.5),
+            workflow=ScriptedWorkflow(),
+            train_tasks=tasks(40),
+        ).fit(),
+        virtual=True,
+    )
     rows = [json.loads(line) for line in (cfg.run_path / "metrics.jsonl").read_text().splitlines()]
     required = {
-        "step", "policy_version", "reward/mean", "staleness/mean", "staleness/max", "time/step_s",
-        "async/trainer_idle_ratio", "async/generation_idle_ratio", "groups/consumed",
-        "groups/filtered", "groups/failed", "groups/dropped_stale", "groups/requeued",
-        "episodes/per_s", "tokens/per_s",
+        "step",
+        "policy_version",
+        "reward/mean",
+        "staleness/mean",
+        "staleness/max",
+        "time/step_s",
+        "async/trainer_idle_ratio",
+        "async/generation_idle_ratio",
+        "groups/consumed",
+        "groups/filtered",
+        "groups/failed",
+        "groups/dropped_stale",
+        "groups/requeued",
+        "episodes/per_s",
+        "tokens/per_s",
     }
     assert len(rows) == 5
     for row in rows:

@@ -17,7 +17,12 @@ def test_resume_trains_every_task_exactly_once(tmp_path, seed) -> None:
     rng = random.Random(seed)
     cfg = make_config(
         tmp_path,
-        train={"total_steps": 100, "total_epochs": 1, "groups_per_step": 4, "micro_batch_groups": 2},
+        train={
+            "total_steps": 100,
+            "total_epochs": 1,
+            "groups_per_step": 4,
+            "micro_batch_groups": 2,
+        },
         coordinator={"pipeline_depth": 2, "max_staleness": 2},
         checkpoint={"every_steps": 3, "resume": "auto", "at_end": True},
         algorithm={"filter_zero_variance": False},
@@ -29,7 +34,10 @@ def test_resume_trains_every_task_exactly_once(tmp_path, seed) -> None:
     first = UnifiedTrainer(cfg, backend=crashing, workflow=workflow, train_tasks=tasks(40))
     with pytest.raises(RuntimeError, match="injected"):
         run(first.fit(), virtual=True)
-    assert [p.name for p in sorted((cfg.run_path / "checkpoints").iterdir())] == ["step_3", "step_6"]
+    assert [p.name for p in sorted((cfg.run_path / "checkpoints").iterdir())] == [
+        "step_3",
+        "step_6",
+    ]
 
     resumed_backend = FakeBackend(latency=latency)
     second = UnifiedTrainer(cfg, backend=resumed_backend, workflow=workflow, train_tasks=tasks(40))
@@ -53,7 +61,9 @@ def test_resume_never_starts_fresh(tmp_path) -> None:
     for _ in range(2):
         backend = FakeBackend()
         records = run(
-            UnifiedTrainer(cfg, backend=backend, workflow=ScriptedWorkflow(), train_tasks=tasks(40)).fit(),
+            UnifiedTrainer(
+                cfg, backend=backend, workflow=ScriptedWorkflow(), train_tasks=tasks(40)
+            ).fit(),
             virtual=True,
         )
         assert records[0]["step"] == 1

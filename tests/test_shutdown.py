@@ -19,7 +19,9 @@ def leftovers() -> list[asyncio.Task]:
     return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
 
-def trainer_for(tmp_path, backend: FakeBackend, workflow: ScriptedWorkflow, **cfg) -> UnifiedTrainer:
+def trainer_for(
+    tmp_path, backend: FakeBackend, workflow: ScriptedWorkflow, **cfg
+) -> UnifiedTrainer:
     config = make_config(tmp_path, **cfg)
     return UnifiedTrainer(config, backend=backend, workflow=workflow, train_tasks=tasks(40))
 

@@ -66,6 +66,11 @@ class RolloutContext:
     def pinned_version(self) -> int | None:
         return self._version
 
+    @property
+    def num_completion_tokens(self) -> int:
+        """Tokens sampled so far in this rollout, by every actor."""
+        return sum(t.num_completion_tokens for t in self._trajectories.values())
+
     def trajectory(self, actor: str = "default") -> Trajectory:
         traj = self._trajectories.get(actor)
         if traj is None:

@@ -1,0 +1,34 @@
+"""docs/config.md documents every key of the schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from rllm_async.config import Config, DatasetConfig
+
+
+def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{name}"
+        ann = field.annotation
+        sub = [
+            a
+            for a in getattr(ann, "__args__", (ann,))
+            if isinstance(a, type) and issubclass(a, BaseModel)
+        ]
+        if sub and sub[0] is DatasetConfig:
+            out += keys(DatasetConfig, f"{path.rsplit('.', 1)[0]}.<split>.")
+        elif sub and sub[0].model_config.get("extra") != "allow":
+            out += keys(sub[0], f"{path}.")
+        else:
+            out.append(path)
+    return out
+
+
+def test_every_config_key_is_documented() -> None:
+    doc = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    missing = [k for k in keys(Config) if f"`{k}`" not in doc]
+    assert not missing, f"undocumented config keys: {missing}"
