@@ -26,7 +26,9 @@ class SingleTurnWorkflow(Workflow):
         system_prompt: str | None = None,
     ) -> None:
         self.reward_fn: RewardFn = (
-            import_object(reward_fn, "workflow.args.reward_fn") if isinstance(reward_fn, str) else reward_fn
+            import_object(reward_fn, "workflow.args.reward_fn")
+            if isinstance(reward_fn, str)
+            else reward_fn
         )
         self.prompt_key = prompt_key
         self.system_prompt = system_prompt
