@@ -193,10 +193,14 @@ class Config(_Section):
                 f"({ro.group_size}): lower min_group_size or raise group_size"
             )
         if tr.micro_batch_groups > tr.groups_per_step:
-            raise ValueError(
-                f"train.micro_batch_groups ({tr.micro_batch_groups}) cannot exceed "
-                f"train.groups_per_step ({tr.groups_per_step}): lower micro_batch_groups"
-            )
+            if "micro_batch_groups" in tr.model_fields_set:
+                raise ValueError(
+                    f"train.micro_batch_groups ({tr.micro_batch_groups}) cannot exceed "
+                    f"train.groups_per_step ({tr.groups_per_step}): lower micro_batch_groups"
+                )
+            object.__setattr__(
+                tr, "micro_batch_groups", tr.groups_per_step
+            )  # the default follows small steps
         return self
 
     @property

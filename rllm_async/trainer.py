@@ -265,8 +265,6 @@ class UnifiedTrainer:
                 ctx.close()
             episode.task_id = dispatch.task_id
             m.record("rollout/reward/mean", episode.reward)
-            if episode.is_correct is not None:
-                m.record("episode/correct", float(episode.is_correct))
             tokens = episode.num_completion_tokens
             m.record("episode/completion_tokens", tokens)
             self._count_tokens(tokens, wasted=False)
@@ -334,6 +332,8 @@ class UnifiedTrainer:
             coord.move(State.BUFFERED, State.CONSUMED)
             for episode in ready.episodes:
                 m.record("reward/mean", episode.reward)
+                if episode.is_correct is not None:
+                    m.record("episode/correct", float(episode.is_correct))
             staleness = coord.staleness(ready.min_version)
             m.record("staleness/mean", staleness)
             m.record("staleness/max", staleness, "max")

@@ -1,0 +1,182 @@
+"""Eval on a pinned version, callbacks, sync warm-up, datasets and the single-turn workflow."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rllm_async import Callback, SingleTurnWorkflow
+from rllm_async.config import DatasetConfig
+from rllm_async.data import DataError, load_tasks
+from rllm_async.trainer import UnifiedTrainer
+from rllm_async.vclock import run
+from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
+
+
+class Recorder(Callback):
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def on_train_start(self, step):
+        self.calls.append(("train_start", step))
+
+    def on_train_end(self, step):
+        self.calls.append(("train_end", step))
+
+    def on_epoch_start(self, epoch):
+        self.calls.append(("epoch_start", epoch))
+
+    def on_epoch_end(self, epoch):
+        self.calls.append(("epoch_end", epoch))
+
+    def on_step_end(self, step, metrics):
+        self.calls.append(("step_end", step, metrics["step"]))
+
+    def on_eval_end(self, step, metrics):
+        self.calls.append(("eval_end", step, metrics["eval/policy_version"]))
+
+
+def test_eval_every_n_steps_on_one_pinned_version_and_callbacks(tmp_path) -> None:
+    rec = Recorder()
+    backend = FakeBackend(latency=lambda: 0.5, train_s=0.1)
+    cfg = make_config(
+        tmp_path,
+        train={"total_steps": 4, "groups_per_step": 2, "micro_batch_groups": 1},
+        eval={"every_steps": 2},
+    )
+    trainer = UnifiedTrainer(
+        cfg,
+        backend=backend,
+        workflow=ScriptedWorkflow(),
+        callbacks=[rec],
+        train_tasks=tasks(6),
+        eval_tasks=[{"id": f"e{i}"} for i in range(5)],
+    )
+    records = run(trainer.fit(), virtual=True)
+    evals = [(r["step"], r["eval/policy_version"], r["eval/n"]) for r in records if "eval/n" in r]
+    assert evals == [(2, 2.0, 5.0), (4, 4.0, 5.0)]
+    assert ("eval_end", 2, 2.0) in rec.calls and ("eval_end", 4, 4.0) in rec.calls
+    assert rec.calls[0] == ("train_start", 0) and rec.calls[-1] == ("train_end", 4)
+    assert [c[1] for c in rec.calls if c[0] == "step_end"] == [1, 2, 3, 4]
+    assert ("epoch_start", 0) in rec.calls and ("epoch_end", 0) in rec.calls
+    assert ("epoch_start", 1) in rec.calls
+    assert backend.policy().live == {}, "the eval snapshot is released"
+
+
+def test_sync_warmup_steps_run_on_policy_first(tmp_path) -> None:
+    backend = FakeBackend(latency=lambda: 1.0, train_s=2.0)
+    cfg = make_config(
+        tmp_path,
+        train={"total_steps": 8},
+        coordinator={"pipeline_depth": 2, "max_staleness": 2, "sync_warmup_steps": 4},
+    )
+    records = run(
+        UnifiedTrainer(
+            cfg, backend=backend, workflow=ScriptedWorkflow(), train_tasks=tasks(40)
+        ).fit(),
+        virtual=True,
+    )
+    assert all(r["staleness/max"] == 0 for r in records[:4])
+    assert max(r["staleness/max"] for r in records[4:]) > 0
+
+
+def test_single_turn_workflow_scores_the_reply(tmp_path) -> None:
+    def reward(task, text):
+        return (1.0, True) if text == "AAA" else (0.0, False)
+
+    cfg = make_config(tmp_path, train={"total_steps": 2}, algorithm={"filter_zero_variance": False})
+    backend = FakeBackend()
+    trainer = UnifiedTrainer(
+        cfg, backend=backend, workflow=SingleTurnWorkflow(reward_fn=reward), train_tasks=tasks(10)
+    )
+    records = run(trainer.fit(), virtual=True)
+    assert records[-1]["reward/mean"] == 1.0 and records[-1]["episode/correct"] == 1.0
+    with pytest.raises(KeyError, match="prompt_key"):
+        run(
+            UnifiedTrainer(
+                make_config(tmp_path, name="bad", rollout={"retries": 0}),
+                backend=FakeBackend(),
+                workflow=SingleTurnWorkflow(reward_fn=reward, prompt_key="question"),
+                train_tasks=tasks(4),
+            ).workflow.run({"id": "x"}, None),  # type: ignore[arg-type]
+            virtual=True,
+        )
+
+
+def test_bad_dataset_rows_get_clear_errors(tmp_path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt": "x"}\n{not json}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: invalid JSON.*one JSON object"):
+        load_tasks(DatasetConfig(path=str(bad)), "train")
+    lst = tmp_path / "list.jsonl"
+    lst.write_text('{"id": "a"}\n[1, 2]\n')
+    with pytest.raises(DataError, match=r"row 1 .* is a list, not an object"):
+        load_tasks(DatasetConfig(path=str(lst)), "train")
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": "a"}\n{"id": "a"}\n')
+    with pytest.raises(DataError, match="duplicate task id 'a'"):
+        load_tasks(DatasetConfig(path=str(dup)), "train")
+    with pytest.raises(DataError, match="not found"):
+        load_tasks(DatasetConfig(path=str(tmp_path / "missing.jsonl")), "train")
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"prompt": "p"}\n\n{"prompt": "q"}\n')
+    assert [t["id"] for t in load_tasks(DatasetConfig(path=str(ok)), "train")] == [
+        "train-0",
+        "train-1",
+    ]
+
+
+def test_progress_bar_shows_reward_and_staleness(tmp_path, capsys) -> None:
+    cfg = make_config(tmp_path, logging={"progress_bar": True}, train={"total_steps": 3})
+    run(
+        UnifiedTrainer(
+            cfg,
+            backend=FakeBackend(latency=lambda: 0.3),
+            workflow=ScriptedWorkflow(),
+            train_tasks=tasks(20),
+        ).fit(),
+        virtual=True,
+    )
+    err = capsys.readouterr().err
+    assert "3/3" in err and "reward=" in err and "stale=" in err
+
+
+def test_cli_train_and_simulate(tmp_path, capsys) -> None:
+    from rllm_async.cli import main
+
+    cfg = tmp_path / "sim.yaml"
+    cfg.write_text(
+        "name: cli\n"
+        f"run_dir: {tmp_path}\n"
+        "backend: {name: sim, latency: zero}\n"
+        "workflow: {cls: 'rllm_async.backends.sim:SimWorkflow', args: {len_median: 8}}\n"
+        "data: {train: {generator: 'rllm_async.backends.sim:synthetic_tasks', args: {n: 64}}}\n"
+        "logging: {progress_bar: false}\n"
+    )
+    assert main(["train", str(cfg), "train.total_steps=3", "train.groups_per_step=2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["steps"] == 3
+    assert len((tmp_path / "cli" / "metrics.jsonl").read_text().splitlines()) == 3
+
+    assert main(["train", str(cfg), "coordinator.pipline_depth=2"]) == 2
+    assert "did you mean 'pipeline_depth'" in capsys.readouterr().err
+
+    assert (
+        main(["simulate", "--workload", "W2", "--pipeline-depth", "2", "--steps", "4", "--json"])
+        == 0
+    )
+    sim = json.loads(capsys.readouterr().out)
+    for key in (
+        "t_sync_s",
+        "t_async_s",
+        "t_ideal_s",
+        "speedup",
+        "efficiency",
+        "waste",
+        "staleness_max",
+        "violations",
+        "trainer_idle_ratio",
+    ):
+        assert key in sim
+    assert sim["speedup"] > 1.0 and sim["violations"] == 0
