@@ -1,4 +1,4 @@
-"""`rllm-async`: train and simulate from the command line."""
+"""`rllm-async`: train, simulate and plot from the command line."""
 
 from __future__ import annotations
 
@@ -66,6 +66,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from rllm_async.plot import plot_runs
+
+    runs = [Path(p) for p in args.runs]
+    out = Path(args.out) if args.out else runs[0] / "plots"
+    try:
+        written = plot_runs(runs, out)
+    except (FileNotFoundError, ValueError) as e:
+        raise DataError(str(e)) from None
+    for path in written:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rllm-async", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--set", nargs="*", default=[], metavar="key=value", help="config overrides")
     sim.add_argument("--json", action="store_true", help="print one JSON line")
     sim.set_defaults(func=cmd_simulate)
+    plot = sub.add_parser("plot", help="PNG curves of one or more runs (overlaid)")
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    plot.add_argument("--out", default=None, help="output folder (default: RUN_DIR/plots)")
+    plot.set_defaults(func=cmd_plot)
     return parser
 
 

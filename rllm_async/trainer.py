@@ -148,7 +148,7 @@ class UnifiedTrainer:
         self._checkpointed = -1
         self._resume_from = self._find_resume_checkpoint()
         self.metrics = MetricsAggregator(self._sinks())
-        self._step_start = loop.time()
+        self._fit_start = self._step_start = loop.time()
         self._step_counts = self.coordinator.snapshot()
         self._step_episodes = 0
         self._step_tokens = 0
@@ -379,6 +379,7 @@ class UnifiedTrainer:
         m.record("groups/buffered", counts["buffered"], "last")
         m.record("policy_version", step, "last")
         m.record("time/step_s", step_s, "last")
+        m.record("time/elapsed_s", now - self._fit_start, "last")
         m.record(
             "async/trainer_idle_ratio", (m.peek("async/trainer_idle_s") or 0.0) / step_s, "last"
         )

@@ -180,3 +180,27 @@ def test_cli_train_and_simulate(tmp_path, capsys) -> None:
     ):
         assert key in sim
     assert sim["speedup"] > 1.0 and sim["violations"] == 0
+
+
+def test_plot_overlays_runs(tmp_path) -> None:
+    from rllm_async.cli import main
+
+    for name, mode in (("sync", "sync"), ("async", "async")):
+        cfg = make_config(tmp_path, name=name, mode=mode, train={"total_steps": 4})
+        run(
+            UnifiedTrainer(
+                cfg,
+                backend=FakeBackend(latency=lambda: 0.2),
+                workflow=ScriptedWorkflow(),
+                train_tasks=tasks(30),
+            ).fit(),
+            virtual=True,
+        )
+    runs = tmp_path / "runs"
+    assert (
+        main(["plot", str(runs / "sync"), str(runs / "async"), "--out", str(tmp_path / "p")]) == 0
+    )
+    for name in ("by_step.png", "by_time.png"):
+        data = (tmp_path / "p" / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000
+    assert main(["plot", str(tmp_path / "nope")]) == 2
