@@ -144,6 +144,7 @@ class UnifiedTrainer:
         self._dispatch_ids = itertools.count()
         self._outstanding: dict[int, Dispatch] = {}
         self._outcomes: deque[bool] = deque(maxlen=cfg.rollout.failure_window)
+        self._failures_in_window = 0
         self._last_error = ""
         self._checkpointed = -1
         self._resume_from = self._find_resume_checkpoint()
@@ -212,6 +213,8 @@ class UnifiedTrainer:
                 self.buffer.open(dispatch)
                 for index in range(self.config.rollout.group_size):
                     rollouts.create_task(self._rollout(dispatch, index))
+                # Admission may allow hundreds of groups at once: let the loop breathe between them.
+                await asyncio.sleep(0)
         self.buffer.close()
 
     async def _rollout(self, dispatch: Dispatch, index: int) -> None:
@@ -222,8 +225,6 @@ class UnifiedTrainer:
             finally:
                 self.coordinator.rollout_finished()
         self._record_outcome(episode)
-        if episode is not None:
-            dispatch.tokens += episode.num_completion_tokens
         state = await self.buffer.add(dispatch.id, index, episode)
         if state in (State.FILTERED, State.FAILED):
             del self._outstanding[dispatch.id]
@@ -267,6 +268,7 @@ class UnifiedTrainer:
             m.record("rollout/reward/mean", episode.reward)
             tokens = episode.num_completion_tokens
             m.record("episode/completion_tokens", tokens)
+            dispatch.tokens += tokens
             self._count_tokens(tokens, wasted=False)
             self._step_episodes += 1
             return episode
@@ -281,11 +283,15 @@ class UnifiedTrainer:
 
     def _record_outcome(self, episode: Episode | None) -> None:
         """The failure-rate circuit breaker over the last `rollout.failure_window` rollouts."""
-        self._outcomes.append(episode is None)
+        failed = episode is None
+        if len(self._outcomes) == self._outcomes.maxlen:
+            self._failures_in_window -= self._outcomes[0]
+        self._outcomes.append(failed)
+        self._failures_in_window += failed
         n = len(self._outcomes)
         if n < min(self.config.rollout.failure_window, _BREAKER_MIN_ROLLOUTS):
             return
-        rate = sum(self._outcomes) / n
+        rate = self._failures_in_window / n
         if rate > self.config.rollout.max_failure_rate:
             raise FailureRateError(
                 f"{rate:.0%} of the last {n} rollouts failed (rollout.max_failure_rate="

@@ -58,6 +58,7 @@ def test_faulty_workload_w4_trains_through_faults(tmp_path) -> None:
             "logging.progress_bar=false",
             "checkpoint.resume=never",
             "train.total_steps=12",
+            "rollout.timeout_s=300",  # so that injected hangs are reclaimed within the run
             "backend.sync_fail_every=5",
             "coordinator.pipeline_depth=2",
             "coordinator.max_staleness=4",

@@ -6,7 +6,6 @@ import asyncio
 import copy
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Any
 
 from rllm_async.backends.base import Completion, PolicyClient, SamplingParams
@@ -90,7 +89,7 @@ class RolloutContext:
         if self._pin and self._version is None:
             self._version = self.policy.acquire()
             self._owns_version = True
-        params = replace(self.sampling, **sampling) if sampling else self.sampling
+        params = self.sampling.updated(**sampling)
         out = await self.policy.generate(prompt_ids, params, version=self._version)
         self.trajectory(actor).steps.append(
             Step(
