@@ -1,0 +1,231 @@
+"""`LocalBackend`: sampler and learner in this process, each on its own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
+from rllm_async.backends.local.learner import Learner
+from rllm_async.backends.local.model import (
+    Transformer,
+    build_model,
+    frozen_copy,
+    load_model,
+    preset_config,
+)
+from rllm_async.backends.local.sampler import Sampler
+from rllm_async.backends.local.snapshots import WeightStore
+from rllm_async.backends.local.tokenizer import CharTokenizer
+from rllm_async.config import Config, ConfigError, LossConfig, validate_options
+from rllm_async.types import TrajectoryGroup
+
+T = TypeVar("T")
+CHECKPOINT_FILE = "local_backend.pt"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LocalOptions(BaseModel):
+    """The `backend:` keys of `name: local`."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: Literal["tiny", "small"] = "tiny"  # a built-in preset, initialised from `seed`
+    model_path: str | None = None  # a local Llama/Qwen-family checkpoint directory instead
+    device: str = "cpu"  # cpu, cuda, cuda:N, or auto
+    # The sampler's weights and the trainer's autocast; trainer weights stay float32.
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_batch: int = Field(default=32, ge=1)  # sequences decoded together
+    train_batch: int = Field(default=16, ge=1)  # sequences per trainer forward/backward
+    max_seq_len: int = Field(default=256, ge=2)  # prompt + completion
+    threads: int = Field(default=1, ge=1)  # torch threads of the training thread
+    sampler_threads: int = Field(default=1, ge=1)  # torch threads of the decode thread
+    seed: int | None = None  # model init and unseeded sampling; None: the config's seed
+
+
+class LocalPolicy:
+    """The `PolicyClient` of the local backend."""
+
+    def __init__(self, sampler: Sampler, store: WeightStore) -> None:
+        self._sampler = sampler
+        self._store = store
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._sampler.tokenizer
+
+    def acquire(self) -> int:
+        return self._store.acquire()
+
+    def release(self, version: int) -> None:
+        self._store.release(version)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, version: int | None = None
+    ) -> Completion:
+        return await self._sampler.generate(prompt_ids, params, version)
+
+
+class LocalBackend:
+    """Plain PyTorch on CPU or one GPU: a dynamic-batching sampler thread and a training thread."""
+
+    options: ClassVar[type[BaseModel]] = LocalOptions
+    virtual_clock: ClassVar[bool] = False
+
+    def __init__(self, config: Config, opts: LocalOptions) -> None:
+        self.opts = opts
+        self.device = _device(opts.device)
+        self.dtype = _dtype(opts.dtype, self.device)
+        if config.rollout.max_tokens >= opts.max_seq_len:
+            raise ConfigError(
+                f"rollout.max_tokens ({config.rollout.max_tokens}) leaves no room for a prompt in "
+                f"backend.max_seq_len ({opts.max_seq_len}): raise max_seq_len or lower max_tokens"
+            )
+        seed = config.seed if opts.seed is None else opts.seed
+        model, tokenizer, stop_ids = _build(opts, self.device, seed)
+        loss = config.algorithm.loss
+        ref = frozen_copy(model, self.device, torch.float32) if loss.kl_coef > 0 else None
+        self.learner = Learner(
+            model,
+            config.optim,
+            total_steps=config.train.total_steps,
+            temperature=config.rollout.temperature or 1.0,
+            train_batch=opts.train_batch,
+            compute_dtype=self.dtype,
+            ref_model=ref,
+        )
+        self.store = WeightStore(0, frozen_copy(model, self.device, self.dtype))
+        self.sampler = Sampler(
+            self.store,
+            tokenizer,
+            stop_ids,
+            max_batch=opts.max_batch,
+            max_seq_len=opts.max_seq_len,
+            device=self.device,
+            dtype=self.dtype,
+            threads=opts.sampler_threads,
+            seed=seed,
+        )
+        self._policy = LocalPolicy(self.sampler, self.store)
+        self._train = concurrent.futures.ThreadPoolExecutor(
+            1, "rllm-local-train", initializer=torch.set_num_threads, initargs=(opts.threads,)
+        )
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: Config) -> LocalBackend:
+        """Validate `backend:` options and build the models; refuse what cannot run here."""
+        opts = validate_options(LocalOptions, config.backend.options, "backend")
+        try:
+            return cls(config, opts)
+        except ConfigError:
+            raise
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"backend local: {e}") from e
+
+    def policy(self) -> LocalPolicy:
+        return self._policy
+
+    async def forward_backward(
+        self, groups: list[TrajectoryGroup], loss: LossConfig
+    ) -> dict[str, float]:
+        return await self._on_train_thread(self.learner.forward_backward, groups, loss)
+
+    async def optim_step(self) -> dict[str, float]:
+        return await self._on_train_thread(self.learner.optim_step)
+
+    async def on_policy_updated(self, version: int) -> None:
+        """Publish the learner's weights as `version`; pinned older versions stay until released."""
+        snapshot = await self._on_train_thread(self._snapshot)
+        self.store.publish(version, snapshot)
+
+    async def save(self, path: Path) -> None:
+        """Write weights, optimizer state, schedule position and policy version to `path`/."""
+        await self._on_train_thread(self._save, Path(path))
+
+    async def load(self, path: Path) -> None:
+        """Restore what `save` wrote and publish the restored weights to the sampler."""
+        version = await self._on_train_thread(self._load, Path(path))
+        await self.on_policy_updated(version)
+
+    async def close(self) -> None:
+        """Stop the decode thread and the training thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.sampler.close()
+        self._train.shutdown(wait=True)
+
+    async def _on_train_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._closed:
+            raise RuntimeError("the local backend is closed")
+        return await asyncio.get_running_loop().run_in_executor(self._train, fn, *args)
+
+    def _snapshot(self) -> Transformer:
+        return frozen_copy(self.learner.model, self.device, self.dtype)
+
+    def _save(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        state = {**self.learner.state_dict(), "version": self.store.latest}
+        torch.save(state, path / CHECKPOINT_FILE)
+
+    def _load(self, path: Path) -> int:
+        file = path / CHECKPOINT_FILE
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found: is {path} a local-backend checkpoint?")
+        state = torch.load(file, map_location=self.device, weights_only=True)
+        self.learner.load_state_dict(state)
+        return int(state["version"])
+
+
+def _build(
+    opts: LocalOptions, device: torch.device, seed: int
+) -> tuple[Transformer, Tokenizer, tuple[int, ...]]:
+    """The trainable model, its tokenizer and the token ids that end a completion."""
+    if opts.model_path is None:
+        tokenizer = CharTokenizer()
+        model = build_model(preset_config(opts.model, tokenizer.vocab_size), seed).to(device)
+        return model, tokenizer, tokenizer.eos_token_ids
+    if "model" in opts.model_fields_set:
+        raise ValueError("give either backend.model (a preset) or backend.model_path, not both")
+    from rllm_async.backends.local.hf import load_checkpoint
+
+    ckpt = load_checkpoint(Path(opts.model_path).expanduser())
+    limit = min(ckpt.max_positions, ckpt.sliding_window or ckpt.max_positions)
+    if opts.max_seq_len > limit:
+        raise ValueError(
+            f"backend.max_seq_len ({opts.max_seq_len}) exceeds what {opts.model_path} supports "
+            f"({limit}): lower max_seq_len"
+        )
+    model = load_model(ckpt.config, ckpt.state, device, torch.float32)
+    return model, ckpt.tokenizer, ckpt.stop_ids
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(
+            f"backend.device '{name}' is not a device: use cpu, cuda, cuda:N or auto"
+        ) from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("backend.device is cuda but no GPU is visible to torch: use cpu or auto")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"backend.device '{name}' is not supported: use cpu, cuda, cuda:N or auto"
+        )
+    return device
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "float16" and device.type == "cpu":
+        raise ConfigError("backend.dtype float16 needs a GPU: use float32 or bfloat16 on cpu")
+    return DTYPES[name]

@@ -1,0 +1,145 @@
+"""Local Hugging Face checkpoints of the Llama family, loaded into our own decoder.
+
+Only files in the given directory are read (never a download). `transformers` is imported lazily,
+for the tokenizer and its chat template; the weights go into `model.Transformer`, so sampling and
+training use the same code as the built-in presets.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rllm_async.backends.local.model import ModelConfig
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint directory holds, in our terms."""
+
+    config: ModelConfig
+    state: dict[str, torch.Tensor]
+    tokenizer: HFTokenizer
+    stop_ids: tuple[int, ...]
+    max_positions: int
+    sliding_window: int | None
+
+
+class HFTokenizer:
+    """A `transformers` tokenizer behind the `Tokenizer` protocol, with its own chat template."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:
+            raise ImportError(
+                "backend.model_path needs the `transformers` package: pip install transformers"
+            ) from e
+        self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if not getattr(self._tok, "chat_template", None):
+            raise ValueError(f"the tokenizer in {path} has no chat template; use an instruct model")
+        if self._tok.eos_token_id is None:
+            raise ValueError(f"the tokenizer in {path} defines no eos token")
+        self.eos_token_id: int = int(self._tok.eos_token_id)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        schemas: Any = tools  # transformers types tools as dicts or callables
+        out: Any = self._tok.apply_chat_template(
+            messages, tools=schemas, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        if isinstance(out, Mapping):  # newer transformers return a BatchEncoding
+            out = out["input_ids"]
+        return [int(i) for i in out]
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Read config, weights and tokenizer of a local checkpoint; refuse what we cannot run."""
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"backend.model_path {path} has no config.json: give a checkpoint directory"
+        )
+    raw = json.loads((path / "config.json").read_text())
+    config = _model_config(raw, path)
+    tokenizer = HFTokenizer(path)
+    stop_ids = {tokenizer.eos_token_id}
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        stop_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    return Checkpoint(
+        config=config,
+        state=_load_weights(path),
+        tokenizer=tokenizer,
+        stop_ids=tuple(sorted(stop_ids)),
+        max_positions=int(raw.get("max_position_embeddings", 2048)),
+        sliding_window=window,
+    )
+
+
+def _model_config(raw: dict[str, Any], path: Path) -> ModelConfig:
+    kind = raw.get("model_type")
+    if kind not in SUPPORTED:
+        raise ValueError(
+            f"{path}: model_type '{kind}' is not supported by the local backend "
+            f"(supported: {', '.join(SUPPORTED)}); use another backend for it"
+        )
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"{path}: rope scaling {rope} is not supported by the local backend")
+    for key in ("attention_bias", "mlp_bias"):
+        if kind == "llama" and raw.get(key):
+            raise ValueError(f"{path}: llama with {key}=true is not supported by the local backend")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{path}: hidden_act '{raw['hidden_act']}' is not supported (need silu)")
+    return ModelConfig(
+        vocab_size=raw["vocab_size"],
+        dim=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"],
+        n_heads=raw["num_attention_heads"],
+        n_kv_heads=raw.get("num_key_value_heads"),
+        head_dim=raw.get("head_dim"),
+        ffn_dim=raw["intermediate_size"],
+        rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        qkv_bias=kind == "qwen2",
+        qk_norm=kind == "qwen3",
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+    )
+
+
+def _load_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, renamed to our module names."""
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        raw: dict[str, torch.Tensor] = {}
+        for file in files:
+            raw.update(load_file(str(file)))
+    elif (path / "pytorch_model.bin").is_file():
+        raw = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"{path} has no *.safetensors or pytorch_model.bin weights")
+    return {
+        k.removeprefix("model."): v for k, v in raw.items() if not k.endswith("rotary_emb.inv_freq")
+    }

@@ -1,0 +1,186 @@
+"""The trainer side of the local backend: streaming gradient accumulation, then AdamW.
+
+`forward_backward` adds the *summed* loss of its groups to the gradients; `optim_step` divides the
+accumulated gradient by the step's total loss-token count, so the update is the token mean over the
+whole step however the groups were split into micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rllm_async.algorithms.losses import LossStats, policy_loss
+from rllm_async.backends.local.model import Transformer
+from rllm_async.config import LossConfig, OptimConfig
+from rllm_async.types import TokenSequence, TrajectoryGroup
+
+
+def learning_rate(cfg: OptimConfig, step: int, total_steps: int) -> float:
+    """The learning rate of optimizer step `step` (0-based): linear warmup, then the schedule."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return cfg.lr * (1.0 - progress)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class _Row:
+    sequence: TokenSequence
+    advantage: float
+
+
+class Learner:
+    """Owns the trainable model, its AdamW optimizer and the schedule position."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        optim: OptimConfig,
+        *,
+        total_steps: int,
+        temperature: float,
+        train_batch: int,
+        compute_dtype: torch.dtype,
+        ref_model: Transformer | None = None,
+    ) -> None:
+        self.model = model
+        self.ref_model = ref_model
+        self.optim_cfg = optim
+        self.total_steps = total_steps
+        self.temperature = temperature
+        self.train_batch = train_batch
+        self.compute_dtype = compute_dtype
+        self.step = 0
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+        )
+        self._device = next(model.parameters()).device
+        self._step_tokens = 0.0
+        self._pending_calls = 0
+
+    @property
+    def has_pending_gradients(self) -> bool:
+        return self._pending_calls > 0
+
+    def forward_backward(self, groups: list[TrajectoryGroup], loss: LossConfig) -> dict[str, float]:
+        """Accumulate the gradient of the summed loss of `groups`; return this batch's `loss/*`."""
+        if loss.kl_coef > 0 and self.ref_model is None:
+            raise ValueError(
+                "algorithm.loss.kl_coef > 0 needs the reference model, which the local backend "
+                "builds at start-up only when the config's kl_coef is > 0"
+            )
+        rows = list(_rows(groups))
+        stats = LossStats()
+        for start in range(0, len(rows), self.train_batch):
+            stats.merge(self._backward(rows[start : start + self.train_batch], loss))
+        self._step_tokens += stats.tokens
+        self._pending_calls += 1
+        return stats.metrics()
+
+    def optim_step(self) -> dict[str, float]:
+        """Apply the step's accumulated gradient (token mean), clip it, and advance the schedule."""
+        lr = learning_rate(self.optim_cfg, self.step, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        grad_norm = 0.0
+        if self._step_tokens > 0:
+            for grad in (p.grad for p in self.model.parameters() if p.grad is not None):
+                grad.div_(self._step_tokens)
+            max_norm = self.optim_cfg.grad_clip or math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = {
+            "optim/lr": lr,
+            "optim/grad_norm": grad_norm,
+            "optim/num_tokens": self._step_tokens,
+        }
+        self.step += 1
+        self._step_tokens = 0.0
+        self._pending_calls = 0
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Weights, optimizer moments and the schedule position."""
+        if self.has_pending_gradients:
+            raise RuntimeError(
+                f"cannot checkpoint with gradients of {self._pending_calls} forward_backward "
+                "call(s) not yet applied: call optim_step() first"
+            )
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step_tokens = 0.0
+        self._pending_calls = 0
+
+    def _backward(self, rows: list[_Row], loss: LossConfig) -> LossStats:
+        inputs, targets, mask, sampler_lp, adv = self._batch(rows)
+        with self._autocast():
+            logprobs = self._logprobs(self.model, inputs, targets)
+            ref = None
+            if self.ref_model is not None and loss.kl_coef > 0:
+                with torch.no_grad():
+                    ref = self._logprobs(self.ref_model, inputs, targets)
+        out = policy_loss(logprobs, sampler_lp, adv, mask, loss, ref_logprobs=ref)
+        if out.stats.tokens > 0:
+            out.loss_sum.backward()
+        return out.stats
+
+    def _logprobs(
+        self, model: Transformer, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        logits = model(inputs).float() / self.temperature
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    def _batch(self, rows: list[_Row]) -> tuple[torch.Tensor, ...]:
+        """Right-padded next-token tensors: inputs, targets, mask, sampler logprobs, advantages."""
+        width = max(len(r.sequence.tokens) for r in rows) - 1
+        shape = (len(rows), width)
+        inputs = torch.zeros(shape, dtype=torch.long)
+        targets = torch.zeros(shape, dtype=torch.long)
+        mask, sampler_lp, adv = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
+        for i, row in enumerate(rows):
+            seq, n = row.sequence, len(row.sequence.tokens) - 1
+            inputs[i, :n] = torch.tensor(seq.tokens[:-1])
+            targets[i, :n] = torch.tensor(seq.tokens[1:])
+            mask[i, :n] = torch.tensor(seq.loss_mask[1:], dtype=torch.float32)
+            sampler_lp[i, :n] = torch.tensor(seq.logprobs[1:], dtype=torch.float32)
+            adv[i, :n] = row.advantage * mask[i, :n]
+        return tuple(t.to(self._device) for t in (inputs, targets, mask, sampler_lp, adv))
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self._device.type, dtype=self.compute_dtype)
+
+
+def _rows(groups: list[TrajectoryGroup]) -> Iterator[_Row]:
+    """Every training sequence of every trajectory, with its trajectory's advantage."""
+    for group in groups:
+        if len(group.advantages) != len(group.trajectories):
+            raise ValueError(
+                f"group {group.task_id}/{group.name} has {len(group.trajectories)} trajectories "
+                f"but {len(group.advantages)} advantages"
+            )
+        for traj, advantage in zip(group.trajectories, group.advantages, strict=True):
+            for seq in traj.sequences():
+                if seq.num_loss_tokens > 0:
+                    yield _Row(seq, float(advantage))

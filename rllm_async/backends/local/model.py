@@ -1,0 +1,218 @@
+"""A Llama-style decoder in plain PyTorch: RoPE, RMSNorm, SwiGLU, optional GQA and tied embeddings.
+
+Module names follow the Hugging Face Llama/Qwen layout, so a local checkpoint of that family loads
+into it by stripping the `model.` prefix (see `hf.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rllm_async.backends.local.cache import CacheView
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    ffn_dim: int
+    n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
+    head_dim: int | None = None  # None: dim // n_heads
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = True
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hdim(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+
+PRESETS: dict[str, tuple[int, int, int, int]] = {  # dim, n_layers, n_heads, ffn_dim
+    "tiny": (64, 2, 4, 176),  # ~0.1M parameters
+    "small": (128, 5, 4, 352),  # ~1M parameters
+}
+
+
+def preset_config(name: str, vocab_size: int) -> ModelConfig:
+    """The config of a built-in preset for a given vocabulary."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset '{name}': choose one of {', '.join(PRESETS)}")
+    dim, n_layers, n_heads, ffn_dim = PRESETS[name]
+    return ModelConfig(vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim=ffn_dim)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 for stability in low precision."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply rotary embeddings in the split-halves convention; x is [B, T, H, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention that reads and writes a slot KV cache when given one."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.hdim = cfg.n_heads, cfg.kv_heads, cfg.hdim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.hdim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.kv_heads * cfg.hdim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.kv_heads * cfg.hdim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.hdim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.hdim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.hdim, cfg.norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView | None
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.hdim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.hdim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.hdim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin).transpose(1, 2), rotate(k, cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        mask = None
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
+            mask = cache.mask
+        if self.n_kv != self.n_heads:
+            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """The decoder: token ids [B, T] -> next-token logits [B, T, vocab]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor, cache: CacheView | None = None) -> torch.Tensor:
+        """Logits for every position; with `cache`, tokens sit at `cache.positions` of its slots."""
+        return self.lm_head(self.hidden(tokens, cache))
+
+    def hidden(self, tokens: torch.Tensor, cache: CacheView | None = None) -> torch.Tensor:
+        """Final normed hidden states [B, T, dim], for callers that need logits at a few positions."""
+        if cache is not None:
+            positions = cache.positions
+        else:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        x = self.embed_tokens(tokens)
+        hdim = self.cfg.hdim
+        inv_freq = self.cfg.rope_theta ** -(
+            torch.arange(0, hdim, 2, device=x.device).float() / hdim
+        )
+        freqs = positions.unsqueeze(-1).float() * inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, head_dim]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin, cache)
+        return self.norm(x)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_model(cfg: ModelConfig, seed: int) -> Transformer:
+    """A freshly initialised model; the same config and seed always give the same weights."""
+    model = Transformer(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    std = 0.02
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            continue
+        if name.endswith("bias"):
+            nn.init.zeros_(p)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            # Residual-branch outputs start small so the depth does not blow up the stream.
+            nn.init.normal_(p, std=std / (2 * cfg.n_layers) ** 0.5, generator=gen)
+        else:
+            nn.init.normal_(p, std=std, generator=gen)
+    return model
+
+
+def load_model(
+    cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+) -> Transformer:
+    """A model holding copies of the tensors in `state`, cast to `dtype` on `device`."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    tensors = {k: v.detach().to(device=device, dtype=dtype, copy=True) for k, v in state.items()}
+    if cfg.tie_embeddings:
+        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
+    model.load_state_dict(tensors, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def frozen_copy(model: Transformer, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """An inference-only copy of `model`'s weights (a sampler snapshot, a reference model)."""
+    return load_model(model.cfg, model.state_dict(), device, dtype).eval().requires_grad_(False)

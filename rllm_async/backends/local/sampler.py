@@ -1,0 +1,278 @@
+"""Dynamic-batching sampler: one background thread decodes every pending request together.
+
+Requests from many asyncio workflows join the batch between decode steps and leave it as soon as
+they finish; each occupies one slot of a KV cache. Requests on different weight versions (pinned
+episodes) share the cache but are decoded in one forward pass per version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import threading
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
+from rllm_async.backends.local.cache import CacheView, KVCache
+from rllm_async.backends.local.model import Transformer
+from rllm_async.backends.local.snapshots import WeightStore
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int
+    pinned: tuple[int, Transformer] | None  # a version and its weights; None: newest each step
+    generator: torch.Generator
+    future: concurrent.futures.Future[Completion]
+    slot: int = -1
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def next_position(self) -> int:
+        """Where the last sampled token goes in the cache."""
+        return len(self.prompt) + len(self.ids) - 1
+
+
+class Sampler:
+    """Samples completions from the weights in a `WeightStore`, batching concurrent requests.
+
+    Logprobs are those of the distribution tokens were drawn from after temperature and before
+    top-p (the unscaled model at temperature 0), so a trainer that divides its logits by the same
+    temperature reproduces them.
+    """
+
+    def __init__(
+        self,
+        store: WeightStore,
+        tokenizer: Tokenizer,
+        stop_ids: Sequence[int],
+        *,
+        max_batch: int,
+        max_seq_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        threads: int,
+        seed: int,
+    ) -> None:
+        cfg = store.get(None)[1].cfg
+        self.store = store
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self._stop_ids = frozenset(stop_ids)
+        self._device = device
+        self._threads = threads
+        self._seeds = random.Random(seed)
+        self._cache = KVCache(
+            n_layers=cfg.n_layers,
+            max_batch=max_batch,
+            n_kv_heads=cfg.kv_heads,
+            max_seq_len=max_seq_len,
+            head_dim=cfg.hdim,
+            device=device,
+            dtype=dtype,
+        )
+        self._free = list(range(max_batch))
+        self.peak_batch = 0  # most requests decoded in one step, for tests and benchmarks
+        self._pending: deque[_Request] = deque()
+        self._active: list[_Request] = []
+        self._wake = threading.Condition()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rllm-local-sampler", daemon=True)
+        self._thread.start()
+        # Also stops the thread at interpreter exit: torch aborts the process if a daemon thread
+        # is still inside an op when the interpreter tears down.
+        self._stopper = weakref.finalize(self, _stop, self._wake, self._closed, self._thread)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, version: int | None = None
+    ) -> Completion:
+        """Queue one request and wait for its completion."""
+        if not prompt_ids:
+            raise ValueError("generate() needs at least one prompt token")
+        room = self.max_seq_len - len(prompt_ids)
+        if room < 1:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room in max_seq_len "
+                f"{self.max_seq_len}: shorten the prompt or raise backend.max_seq_len"
+            )
+        pinned = self.store.get(version) if version is not None else None
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        future: concurrent.futures.Future[Completion] = concurrent.futures.Future()
+        request = _Request(
+            prompt=list(prompt_ids),
+            params=params,
+            max_new=min(params.max_tokens, room),
+            pinned=pinned,
+            generator=torch.Generator().manual_seed(seed),
+            future=future,
+        )
+        with self._wake:
+            if self._closed.is_set():
+                raise RuntimeError("the sampler is closed")
+            self._pending.append(request)
+            self._wake.notify()
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        """Stop the decode thread and fail whatever is still queued or running; idempotent."""
+        self._stopper()
+
+    def _loop(self) -> None:
+        torch.set_num_threads(self._threads)
+        while True:
+            with self._wake:
+                while not self._closed.is_set() and not self._pending and not self._active:
+                    self._wake.wait()
+                if self._closed.is_set():
+                    break
+                joiners = []
+                while self._pending and self._free:
+                    request = self._pending.popleft()
+                    if not request.future.cancelled():
+                        request.slot = self._free.pop()
+                        joiners.append(request)
+            try:
+                with torch.inference_mode():
+                    self._prefill(joiners)
+                    self._decode()
+            except Exception as e:  # never let one bad step kill the thread other callers wait on
+                for request in [*joiners, *self._active]:
+                    self._finish(request, error=e)
+                self._active = []
+        with self._wake:
+            leftover = [*self._pending, *self._active]
+            self._pending.clear()
+        for request in leftover:
+            self._finish(request, error=RuntimeError("the sampler was closed"))
+
+    def _prefill(self, joiners: list[_Request]) -> None:
+        """Run the prompts of newly admitted requests and sample their first tokens."""
+        for version, model, group in self._by_weights(joiners):
+            lengths = torch.tensor([len(r.prompt) for r in group])
+            width = int(lengths.max())
+            tokens = torch.zeros(len(group), width, dtype=torch.long)
+            for row, request in enumerate(group):
+                tokens[row, : len(request.prompt)] = torch.tensor(request.prompt)
+            positions = torch.arange(width).expand(len(group), width)
+            logits = self._forward(model, group, tokens, positions, last=lengths - 1)
+            self._step(group, logits, version)
+            self.peak_batch = max(self.peak_batch, len(group))
+            self._active.extend(r for r in group if r.slot >= 0)
+
+    def _decode(self) -> None:
+        """Feed every active request its last token and sample the next one."""
+        self.peak_batch = max(self.peak_batch, len(self._active))
+        for version, model, group in self._by_weights(self._active):
+            tokens = torch.tensor([[r.ids[-1]] for r in group])
+            positions = torch.tensor([[r.next_position] for r in group])
+            logits = self._forward(
+                model, group, tokens, positions, last=torch.zeros_like(positions[:, 0])
+            )
+            self._step(group, logits, version)
+        # A request holds its slot until `_finish`; a caller's cancel only marks the future, and the
+        # next `_step` sees it, so filter on the slot, not on the future.
+        self._active = [r for r in self._active if r.slot >= 0]
+
+    def _forward(
+        self,
+        model: Transformer,
+        group: list[_Request],
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        last: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run `tokens` through the cache slots of `group`; logits [B, vocab] at column `last[b]`."""
+        slots = torch.tensor([r.slot for r in group], device=self._device)
+        view = CacheView(self._cache, slots, positions.to(self._device))
+        hidden = model.hidden(tokens.to(self._device), view)
+        rows = torch.arange(len(group), device=self._device)
+        return model.lm_head(hidden[rows, last.to(self._device)]).float().cpu()
+
+    def _by_weights(
+        self, requests: list[_Request]
+    ) -> list[tuple[int, Transformer, list[_Request]]]:
+        """Split requests by the weights they decode with this step."""
+        groups: dict[int, tuple[Transformer, list[_Request]]] = {}
+        for r in requests:
+            version, model = r.pinned if r.pinned is not None else self.store.get(None)
+            groups.setdefault(version, (model, []))[1].append(r)
+        return [(v, model, group) for v, (model, group) in groups.items()]
+
+    def _step(self, group: list[_Request], logits: torch.Tensor, version: int) -> None:
+        """Sample one token per request from its row of `logits` and finish those that are done."""
+        for request, row in zip(group, logits, strict=True):
+            if request.future.cancelled():
+                self._finish(request)
+                continue
+            token, logprob = sample_token(row, request.params, request.generator)
+            request.ids.append(token)
+            request.logprobs.append(logprob)
+            request.versions.append(version)
+            reason = self._finish_reason(request)
+            if reason is not None:
+                self._finish(request, reason=reason)
+
+    def _finish_reason(self, request: _Request) -> str | None:
+        if request.ids[-1] in self._stop_ids:
+            return "stop"
+        for stop in request.params.stop:
+            # A stop string that just appeared overlaps the newest token and spans at most
+            # len(stop) tokens, so only that tail needs decoding.
+            if stop in self.tokenizer.decode(request.ids[-(len(stop) + 1) :]):
+                return "stop"
+        if len(request.ids) >= request.max_new:
+            return "length"
+        return None
+
+    def _finish(
+        self, request: _Request, *, reason: str = "stop", error: Exception | None = None
+    ) -> None:
+        if request.slot >= 0:
+            with self._wake:
+                self._free.append(request.slot)
+            request.slot = -1
+        try:
+            if error is not None:
+                request.future.set_exception(error)
+            else:
+                completion = Completion(request.ids, request.logprobs, request.versions, reason)
+                request.future.set_result(completion)
+        except concurrent.futures.InvalidStateError:
+            pass  # the caller cancelled it meanwhile
+
+
+def _stop(wake: threading.Condition, closed: threading.Event, thread: threading.Thread) -> None:
+    with wake:
+        closed.set()
+        wake.notify()
+    thread.join()
+
+
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[int, float]:
+    """Draw one token from a row of float32 logits; return it with its logprob."""
+    if params.temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        token = int(logits.argmax())
+        return token, float(logp[token])
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+    probs = logp.exp()
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # Keep the smallest head of the distribution whose mass reaches top_p (at least one token).
+        outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(logp[token])

@@ -1,0 +1,62 @@
+"""A character tokenizer with a tiny chat format for the built-in models (no files to download)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+SPECIALS = ("<pad>", "<unk>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127))
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class CharTokenizer:
+    """One id per printable ASCII character; roles and end-of-turn are single special ids.
+
+    Chat format: `<|user|>text<|end|><|assistant|>`; a reply ends with `<|end|>` (the EOS), so
+    the rendered history of turn k+1 extends the exact tokens of turn k plus its completion.
+    """
+
+    def __init__(self) -> None:
+        self.vocab: list[str] = [*SPECIALS, *CHARS]
+        self._ids = {tok: i for i, tok in enumerate(self.vocab)}
+        self.unk_token_id = self._ids["<unk>"]
+        self.eos_token_id = self._ids["<|end|>"]
+        self.eos_token_ids: tuple[int, ...] = (self.eos_token_id,)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str) -> list[int]:
+        """Characters to ids; characters outside printable ASCII become `<unk>`."""
+        return [self._ids.get(ch, self.unk_token_id) for ch in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Ids to text, skipping special tokens (so a reply decodes without its `<|end|>`)."""
+        n = len(SPECIALS)
+        return "".join(self.vocab[i] for i in ids if n <= i < len(self.vocab))
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Render a chat; `tools` become a system turn listing their JSON schemas."""
+        turns = list(messages)
+        if tools:
+            turns.insert(0, {"role": "system", "content": "Tools: " + json.dumps(tools)})
+        ids: list[int] = []
+        for msg in turns:
+            role = msg.get("role")
+            if role not in ROLES:
+                raise ValueError(f"unknown chat role {role!r}: use one of {', '.join(ROLES)}")
+            ids.append(self._ids[f"<|{role}|>"])
+            ids.extend(self.encode(str(msg.get("content") or "")))
+            ids.append(self.eos_token_id)
+        if add_generation_prompt:
+            ids.append(self._ids["<|assistant|>"])
+        return ids

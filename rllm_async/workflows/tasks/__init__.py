@@ -1,0 +1,1 @@
+"""Built-in tasks: seeded problem generators and their reward functions."""

@@ -1,0 +1,94 @@
+"""Countdown: seeded generation, a reward that parses (never executes) replies, and the solver."""
+
+from __future__ import annotations
+
+import pytest
+
+from rllm_async.workflows.tasks.countdown import (
+    FORMAT_REWARD,
+    generator,
+    parse,
+    reward,
+    solve,
+    supervised_examples,
+)
+
+TASK = {"id": "t", "numbers": [3, 5, 7], "target": 22, "prompt": "..."}
+
+
+@pytest.mark.parametrize("text", ["3*5+7", " 7 + 5*3 ", "(5*3)+7", "7+(3*5)", "((3)*5)+7"])
+def test_correct(text: str) -> None:
+    assert reward(TASK, text) == (1.0, True)
+
+
+@pytest.mark.parametrize("text", ["3+5+7", "(3+5)*7", "7-5*3"])
+def test_wrong_value_gets_format_credit(text: str) -> None:
+    assert reward(TASK, text) == (FORMAT_REWARD, False)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "22",  # the target alone
+        "3*5+7+7",  # a number used twice
+        "3*5",  # a number unused
+        "3*5+8",  # a number not given
+        "3*5+7 = 22",
+        "3**5+7",
+        "3*(5+7",
+        "3*5+7)",
+        "-3*5+7",
+        "3/5+7",
+        "3 5 7",
+        "(" * 40 + "3*5+7" + ")" * 40,
+        "3*5+７",  # a full-width digit
+        "1" * 100,
+    ],
+)
+def test_malformed(text: str) -> None:
+    assert reward(TASK, text) == (0.0, False)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "__import__('os').system('echo pwned')",
+        "eval('3*5+7')",
+        "3*5+7; import os",
+        "().__class__.__bases__[0].__subclasses__()",
+        "\x00\ud800",
+        None,
+        ["3*5+7"],
+    ],
+)
+def test_hostile_input_scores_zero_and_never_raises(text: object) -> None:
+    assert reward(TASK, text) == (0.0, False)  # type: ignore[arg-type]
+
+
+def test_parser_respects_precedence() -> None:
+    assert parse("2+3*4") == ("+", 2, ("*", 3, 4))
+    assert parse("(2+3)*4") == ("*", ("+", 2, 3), 4)
+    assert parse("8-3-2") == ("-", ("-", 8, 3), 2)
+
+
+def test_generator_is_seeded_and_every_task_is_solvable() -> None:
+    tasks = generator(n=50, seed=3)
+    assert tasks == generator(n=50, seed=3)
+    assert tasks != generator(n=50, seed=4)
+    assert len({t["id"] for t in tasks}) == 50
+    for task in tasks:
+        assert 3 <= len(task["numbers"]) <= 4 and all(1 <= x <= 9 for x in task["numbers"])
+        assert 0 < task["target"] <= 99
+        assert str(task["target"]) in task["prompt"]
+    examples = supervised_examples(tasks)
+    assert len(examples) == 50
+    for task, ex in zip(tasks, examples, strict=True):
+        assert reward(task, ex["solution"]) == (1.0, True)
+        assert ex["messages"][-1] == {"role": "assistant", "content": ex["solution"]}
+
+
+def test_solver_renders_needed_parentheses_and_knows_unsolvable() -> None:
+    assert solve([2, 3, 4], 20) in ("(2+3)*4", "4*(2+3)", "(3+2)*4", "4*(3+2)")
+    assert solve([1, 1, 1], 50) is None
+    assert reward({"numbers": [9, 2, 4], "target": 3}, solve([9, 2, 4], 3) or "") == (1.0, True)

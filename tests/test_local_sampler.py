@@ -1,0 +1,178 @@
+"""The local sampler: logprobs match a full forward pass, dynamic batching, stops, pinned versions."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from rllm_async.backends.base import Completion, SamplingParams
+from rllm_async.backends.local import LocalBackend
+from rllm_async.backends.local.model import Transformer
+from rllm_async.config import LossConfig, config_from_dict
+from rllm_async.types import Step, Trajectory, TrajectoryGroup
+
+
+def make_backend(**options: Any) -> LocalBackend:
+    cfg = config_from_dict(
+        {
+            "backend": {"name": "local", "max_seq_len": 96, **options},
+            "rollout": {"max_tokens": 24},
+            "optim": {"lr": 0.05},
+        }
+    )
+    return LocalBackend.from_config(cfg)
+
+
+def prompt(backend: LocalBackend, text: str) -> list[int]:
+    return backend.policy().tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def full_forward_logprobs(
+    model: Transformer, prompt_ids: list[int], out: Completion
+) -> torch.Tensor:
+    """Logprobs of the completion's tokens from one uncached forward pass over the whole sequence."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + out.ids])).float()
+    logp = torch.log_softmax(logits[0, len(prompt_ids) - 1 : -1], dim=-1)
+    return logp.gather(-1, torch.tensor(out.ids).unsqueeze(-1)).squeeze(-1)
+
+
+def test_logprobs_match_a_full_forward_pass_alone_and_dynamically_batched() -> None:
+    async def main() -> None:
+        backend = make_backend(max_batch=4)
+        policy = backend.policy()
+        model = backend.store.get(0)[1]
+        texts = [
+            "1 2 3",
+            "Use 4 5 and + - * to make 20.",
+            "x",
+            "a longer prompt, here",
+            "9*9",
+            "hi",
+        ]
+        prompts = [prompt(backend, t) for t in texts]
+        params = [SamplingParams(max_tokens=8 + 3 * i, seed=i) for i in range(len(prompts))]
+        alone = [await policy.generate(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        assert backend.sampler.peak_batch == 1
+
+        async def later(i: int) -> Completion:
+            await asyncio.sleep(0.002 * i)  # join a batch that is already decoding
+            return await policy.generate(prompts[i], params[i])
+
+        batched = await asyncio.gather(*(later(i) for i in range(len(prompts))))
+        # More requests than slots: some waited for a slot, and several decoded together.
+        assert backend.sampler.peak_batch > 1
+        for p, a, b in zip(prompts, alone, batched, strict=True):
+            assert a.ids == b.ids  # seeded sampling does not depend on the batch
+            assert b.versions == [0] * len(b.ids)
+            expected = full_forward_logprobs(model, p, b)
+            assert torch.allclose(torch.tensor(a.logprobs), expected, atol=1e-4)
+            assert torch.allclose(torch.tensor(b.logprobs), expected, atol=1e-4)
+        await backend.close()
+
+    asyncio.run(main())
+
+
+def test_greedy_length_stop_strings_and_seeds() -> None:
+    async def main() -> None:
+        backend = make_backend()
+        policy, tok = backend.policy(), backend.policy().tokenizer
+        p = prompt(backend, "Use 1 2 3 and + - * to make 7.")
+        greedy = SamplingParams(temperature=0.0, max_tokens=20)
+        a, b = await policy.generate(p, greedy), await policy.generate(p, greedy)
+        assert a.ids == b.ids and a.finish_reason in ("stop", "length")
+        model = backend.store.get(0)[1]
+        with torch.no_grad():
+            logits = model(torch.tensor([p + a.ids]))[0, len(p) - 1 : -1]
+        assert logits.argmax(-1).tolist() == a.ids
+
+        free = await policy.generate(p, SamplingParams(max_tokens=20, seed=7))
+        assert free.ids == (await policy.generate(p, SamplingParams(max_tokens=20, seed=7))).ids
+        assert len(free.ids) <= 20
+        if free.finish_reason == "length":
+            assert len(free.ids) == 20
+        else:
+            assert free.ids[-1] == tok.eos_token_id
+
+        text = tok.decode(free.ids)
+        stop = text[2:4]
+        assert len(stop) == 2, "the seeded sample is too short for this test; change the seed"
+        cut = await policy.generate(p, SamplingParams(max_tokens=20, seed=7, stop=(stop,)))
+        assert cut.finish_reason == "stop"
+        assert (
+            tok.decode(cut.ids).endswith(stop)
+            and tok.decode(cut.ids) == text[: text.find(stop) + 2]
+        )
+
+        with pytest.raises(ValueError, match="max_seq_len"):
+            await policy.generate(list(range(10, 106)), greedy)
+        await backend.close()
+
+    asyncio.run(main())
+
+
+def _group(prompt_ids: list[int], outs: list[Completion]) -> TrajectoryGroup:
+    trajs = [Trajectory(steps=[Step(prompt_ids, o.ids, o.logprobs, o.versions)]) for o in outs]
+    advantages = [1.0 if i % 2 else -1.0 for i in range(len(outs))]
+    return TrajectoryGroup("t", "default", trajs, advantages)
+
+
+def test_pinned_version_keeps_old_weights_until_released() -> None:
+    async def main() -> None:
+        backend = make_backend()
+        policy = backend.policy()
+        p = prompt(backend, "pin me")
+        greedy = SamplingParams(temperature=0.0, max_tokens=12)
+        before = await policy.generate(p, greedy)
+        pinned = policy.acquire()
+        assert pinned == 0
+
+        outs = [await policy.generate(p, SamplingParams(max_tokens=12, seed=i)) for i in range(4)]
+        await backend.forward_backward([_group(p, outs)], LossConfig())
+        await backend.optim_step()
+        await backend.on_policy_updated(1)
+        assert backend.store.versions() == [0, 1]
+
+        old = await policy.generate(p, greedy, version=pinned)
+        assert old.ids == before.ids and old.versions == [0] * len(old.ids)
+        assert old.logprobs == pytest.approx(before.logprobs, abs=1e-6)
+        new = await policy.generate(p, greedy)
+        assert new.versions == [1] * len(new.ids)
+        new_model = backend.store.get(1)[1]
+        assert not torch.allclose(
+            full_forward_logprobs(new_model, p, old), torch.tensor(old.logprobs), atol=1e-3
+        )
+
+        policy.release(pinned)
+        assert backend.store.versions() == [1]
+        with pytest.raises(ValueError, match="not in memory"):
+            await policy.generate(p, greedy, version=0)
+        with pytest.raises(ValueError, match="without a matching acquire"):
+            policy.release(0)
+        await backend.close()
+
+    asyncio.run(main())
+
+
+def test_cancelled_request_frees_its_slot_and_close_is_idempotent() -> None:
+    async def main() -> None:
+        backend = make_backend(max_batch=1)
+        policy = backend.policy()
+        p = prompt(backend, "cancel")
+        # Cancel at varied moments (queued, prefilling, decoding); with one slot, a leaked slot
+        # would leave the next request waiting forever.
+        for i in range(30):
+            task = asyncio.ensure_future(policy.generate(p, SamplingParams(max_tokens=60)))
+            await asyncio.sleep(0.0005 * (i % 10))
+            task.cancel()
+            out = await asyncio.wait_for(policy.generate(p, SamplingParams(max_tokens=2)), 10)
+            assert 1 <= len(out.ids) <= 2
+        await backend.close()
+        await backend.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await policy.generate(p, SamplingParams(max_tokens=3))
+
+    asyncio.run(main())
