@@ -2,7 +2,7 @@
 
 from rllm_async.callbacks import Callback
 from rllm_async.config import Config, ConfigError, load_config
-from rllm_async.trainer import FailureRateError, UnifiedTrainer
+from rllm_async.trainer import FailureRateError, NoSignalError, UnifiedTrainer
 from rllm_async.types import Episode, Step, Termination, Trajectory, TrajectoryGroup
 from rllm_async.workflows import RolloutContext, SingleTurnWorkflow, Workflow
 
@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "Episode",
     "FailureRateError",
+    "NoSignalError",
     "RolloutContext",
     "SingleTurnWorkflow",
     "Step",

@@ -1,4 +1,4 @@
-"""`rllm-async`: train, simulate and plot from the command line."""
+"""`rllm-async`: train, evaluate, simulate and plot from the command line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rllm_async.config import ConfigError, load_config
+from rllm_async.coordinator import StallError, SyncTimeoutError
 from rllm_async.data import DataError
+from rllm_async.trainer import FailureRateError, NoSignalError
 
 DEFAULT_CONFIG = Path("examples/countdown/local_async.yaml")
 
@@ -66,6 +68,31 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from rllm_async.trainer import UnifiedTrainer, latest_checkpoint
+    from rllm_async.vclock import run
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.yaml").exists():
+        raise ConfigError(f"{run_dir} has no config.yaml: pass a run directory such as runs/<name>")
+    overrides = ["logging.progress_bar=false", "logging.jsonl=false", *args.overrides]
+    config = load_config(run_dir / "config.yaml", overrides)
+    if config.data.eval is None:
+        raise ConfigError(
+            f"{run_dir}/config.yaml has no data.eval: add one with data.eval.path=..."
+        )
+    if args.checkpoint:
+        checkpoint: Path | None = Path(args.checkpoint)
+    else:
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise ConfigError(f"{run_dir} has no complete checkpoint under checkpoints/")
+    trainer = UnifiedTrainer(config)
+    metrics = run(trainer.evaluate_checkpoint(checkpoint), virtual=trainer.virtual_clock)
+    print(json.dumps({"checkpoint": str(checkpoint), **metrics}))
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from rllm_async.plot import plot_runs
 
@@ -98,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--set", nargs="*", default=[], metavar="key=value", help="config overrides")
     sim.add_argument("--json", action="store_true", help="print one JSON line")
     sim.set_defaults(func=cmd_simulate)
+    ev = sub.add_parser("eval", help="held-out evaluation of a run's newest checkpoint")
+    ev.add_argument("run_dir", metavar="RUN_DIR")
+    ev.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: newest)")
+    ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.temperature=0.7")
+    ev.set_defaults(func=cmd_eval)
+
     plot = sub.add_parser("plot", help="PNG curves of one or more runs (overlaid)")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR")
     plot.add_argument("--out", default=None, help="output folder (default: RUN_DIR/plots)")
@@ -112,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"rllm-async: error: {e}", file=sys.stderr)
         return 2
+    except (FailureRateError, NoSignalError, StallError, SyncTimeoutError) as e:
+        print(f"rllm-async: the run stopped: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("rllm-async: interrupted", file=sys.stderr)
         return 130

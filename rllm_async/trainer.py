@@ -32,6 +32,10 @@ class FailureRateError(RuntimeError):
     """Too many rollouts failed recently (`rollout.max_failure_rate`); the run stops."""
 
 
+class NoSignalError(RuntimeError):
+    """Every group of a whole pass over the data had equal rewards, so nothing can be learned."""
+
+
 class UnifiedTrainer:
     """Trains `config.workflow` on `config.backend`, sync or async, with bounded staleness.
 
@@ -145,6 +149,7 @@ class UnifiedTrainer:
         self._outstanding: dict[int, Dispatch] = {}
         self._outcomes: deque[bool] = deque(maxlen=cfg.rollout.failure_window)
         self._failures_in_window = 0
+        self._filtered_in_a_row = 0
         self._last_error = ""
         self._checkpointed = -1
         self._resume_from = self._find_resume_checkpoint()
@@ -229,6 +234,8 @@ class UnifiedTrainer:
         if state in (State.FILTERED, State.FAILED):
             del self._outstanding[dispatch.id]
             self.metrics.record("tokens/wasted", dispatch.tokens, "sum")
+        if state is not None:
+            self._check_signal(state)
 
     async def _attempts(self, dispatch: Dispatch, index: int) -> Episode | None:
         """Run one rollout with its deadline, retrying failures; None when every attempt failed."""
@@ -274,6 +281,22 @@ class UnifiedTrainer:
             return episode
         m.record("rollout/failures", 1, "sum")
         return None
+
+    def _check_signal(self, state: State) -> None:
+        """Stop a run whose groups are all filtered for a whole pass over the data."""
+        if state is not State.FILTERED:
+            self._filtered_in_a_row = 0
+            return
+        self._filtered_in_a_row += 1
+        if self._filtered_in_a_row >= max(
+            len(self.train_tasks), 10 * self.config.train.groups_per_step
+        ):
+            raise NoSignalError(
+                f"the last {self._filtered_in_a_row} groups all had equal rewards within the group "
+                "and were filtered, so there is nothing to learn from: the policy always fails (or "
+                "always succeeds). Warm-start the policy, make the task easier or the reward "
+                "denser, or set algorithm.filter_zero_variance=false"
+            )
 
     def _count_tokens(self, tokens: int, *, wasted: bool) -> None:
         self._step_tokens += tokens
@@ -464,6 +487,18 @@ class UnifiedTrainer:
             cb.on_eval_end(self.coordinator.version, out)
         return out
 
+    async def evaluate_checkpoint(self, path: Path | None) -> dict[str, float]:
+        """Load a checkpoint (None: the initial policy), evaluate it on `data.eval`, close."""
+        self.policy = self.backend.policy()
+        try:
+            if path is not None:
+                state = json.loads((path / "trainer_state.json").read_text())
+                await self.backend.load(path / "backend")
+                self.coordinator.version = state["version"]
+            return await self.evaluate()
+        finally:
+            await self.backend.close()
+
     # -- checkpoints ---------------------------------------------------------------------------
 
     async def save_checkpoint(self) -> Path:
@@ -492,10 +527,10 @@ class UnifiedTrainer:
         if resume == "never":
             return None
         if resume == "auto":
-            found = _checkpoints(self.run_path / "checkpoints")
-            if not found:
+            latest = latest_checkpoint(self.run_path)
+            if latest is None:
                 return None
-            path = found[-1]
+            path = latest
         else:
             path = Path(resume)
             if not (path / "trainer_state.json").exists():
@@ -517,6 +552,12 @@ class UnifiedTrainer:
         self._step_counts = self.coordinator.snapshot()
         self._step_start = asyncio.get_running_loop().time()
         self.coordinator.notify()
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    found = _checkpoints(run_dir / "checkpoints")
+    return found[-1] if found else None
 
 
 def _checkpoints(root: Path) -> list[Path]:

@@ -213,3 +213,14 @@ def test_latest_mode_records_newer_versions_and_pin_never_spans_two(tmp_path) ->
         )
         spanned = any(a != b for a, b in wf.versions)
         assert spanned is spans, mode
+
+
+def test_a_run_without_any_learning_signal_stops_with_a_clear_error(tmp_path) -> None:
+    from rllm_async.trainer import NoSignalError
+
+    workflow = ScriptedWorkflow(reward=lambda task, i, a: 0.0)  # never succeeds
+    cfg = make_config(tmp_path, coordinator={"pipeline_depth": 1})
+    trainer = UnifiedTrainer(cfg, backend=FakeBackend(), workflow=workflow, train_tasks=tasks(30))
+    with pytest.raises(NoSignalError, match="filter_zero_variance=false"):
+        fit(trainer)
+    assert trainer.coordinator.counts.filtered >= 40

@@ -23,6 +23,7 @@ from rllm_async.backends.local.model import (
 from rllm_async.backends.local.sampler import Sampler
 from rllm_async.backends.local.snapshots import WeightStore
 from rllm_async.backends.local.tokenizer import CharTokenizer
+from rllm_async.backends.local.warm_start import WarmStartOptions, warm_start
 from rllm_async.config import Config, ConfigError, LossConfig, validate_options
 from rllm_async.types import TrajectoryGroup
 
@@ -47,6 +48,7 @@ class LocalOptions(BaseModel):
     threads: int = Field(default=1, ge=1)  # torch threads of the training thread
     sampler_threads: int = Field(default=1, ge=1)  # torch threads of the decode thread
     seed: int | None = None  # model init and unseeded sampling; None: the config's seed
+    warm_start: WarmStartOptions | None = None  # supervised fine-tuning before RL, cached
 
 
 class LocalPolicy:
@@ -89,6 +91,9 @@ class LocalBackend:
             )
         seed = config.seed if opts.seed is None else opts.seed
         model, tokenizer, stop_ids = _build(opts, self.device, seed)
+        if opts.warm_start is not None:
+            identity = {"preset": opts.model, "path": opts.model_path}
+            warm_start(model, tokenizer, opts.warm_start, identity=identity, seed=seed)
         loss = config.algorithm.loss
         ref = frozen_copy(model, self.device, torch.float32) if loss.kl_coef > 0 else None
         self.learner = Learner(

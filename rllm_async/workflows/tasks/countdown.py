@@ -217,3 +217,9 @@ def supervised_examples(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ]
             examples.append({"id": task["id"], "solution": solution, "messages": messages})
     return examples
+
+
+def warm_start_examples(n: int = 2000, seed: int = 1, **kwargs: Any) -> list[dict[str, Any]]:
+    """Solved transcripts of `n` fresh problems (`backend.warm_start.examples`); use a seed that
+    the train and eval data do not."""
+    return supervised_examples(generator(n=n, seed=seed, **kwargs))
