@@ -122,7 +122,7 @@ def test_sample_forward_backward_optim_step(server, tmp_path) -> None:
         metrics = await train_step(backend, v)
         assert metrics["loss/num_sequences"] == 8
         assert metrics["loss/num_tokens"] > 0
-        assert math.isfinite(metrics["loss/policy"]) and metrics["lr"] == 0.05
+        assert math.isfinite(metrics["loss/policy"]) and metrics["optim/lr"] == 0.05
         # Sampled by these very weights: the learner's logprobs match the sampler's.
         assert abs(metrics["loss/sampler_kl"]) < 1e-3
         assert metrics["tinker/grad_scale_error"] == pytest.approx(1.0, rel=0.5)

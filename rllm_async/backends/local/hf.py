@@ -7,7 +7,9 @@ training use the same code as the built-in presets.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +74,12 @@ class HFTokenizer:
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
-    """Read config, weights and tokenizer of a local checkpoint; refuse what we cannot run."""
+    """Read config, weights and tokenizer of a local checkpoint; refuse what we cannot run.
+
+    `path` is a checkpoint directory, or a `.gguf` file (dequantized once into a cache directory).
+    """
+    if path.suffix == ".gguf":
+        path = gguf_to_checkpoint(path)
     if not (path / "config.json").is_file():
         raise ValueError(
             f"backend.model_path {path} has no config.json: give a checkpoint directory"
@@ -143,3 +150,44 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     return {
         k.removeprefix("model."): v for k, v in raw.items() if not k.endswith("rotary_emb.inv_freq")
     }
+
+
+def gguf_to_checkpoint(file: Path, cache_root: Path | None = None) -> Path:
+    """Dequantize a local GGUF file into a checkpoint directory (config, safetensors, tokenizer).
+
+    Done once per file: the directory is keyed by the file's name, size and mtime, under
+    `$RLLM_ASYNC_CACHE` (default `~/.cache/rllm-async`). Needs `transformers`, `gguf` and
+    `accelerate`; nothing is downloaded.
+    """
+    if not file.is_file():
+        raise ValueError(f"backend.model_path {file} does not exist")
+    stat = file.stat()
+    key = hashlib.sha256(f"{file.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    root = (
+        cache_root or Path(os.environ.get("RLLM_ASYNC_CACHE", "~/.cache/rllm-async")).expanduser()
+    )
+    out = root / "gguf" / f"{file.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    try:
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise ImportError(
+            "a .gguf backend.model_path needs transformers, gguf and accelerate: "
+            "pip install transformers gguf accelerate"
+        ) from e
+    where = {"gguf_file": file.name, "local_files_only": True}
+    tokenizer = AutoTokenizer.from_pretrained(str(file.parent), **where)
+    model = AutoModelForCausalLM.from_pretrained(str(file.parent), **where)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    # Tied weights share storage, which safetensors refuses: store independent copies.
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config))
+    tokenizer.save_pretrained(str(tmp))
+    os.replace(tmp, out)
+    return out

@@ -16,21 +16,10 @@ from typing import Any
 import torch
 
 from rllm_async.algorithms.losses import LossStats, policy_loss
+from rllm_async.algorithms.schedule import learning_rate
 from rllm_async.backends.local.model import Transformer
 from rllm_async.config import LossConfig, OptimConfig
 from rllm_async.types import TokenSequence, TrajectoryGroup
-
-
-def learning_rate(cfg: OptimConfig, step: int, total_steps: int) -> float:
-    """The learning rate of optimizer step `step` (0-based): linear warmup, then the schedule."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    if cfg.schedule == "linear":
-        return cfg.lr * (1.0 - progress)
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass

@@ -1,0 +1,150 @@
+"""Local backend throughput: our KV-cache sampler vs `transformers` generate() on a same-size model.
+
+Both sample 64 sequences of `--new-tokens` tokens from the `small` preset's architecture (ours) and a
+Qwen2 config of the same width, depth, heads and vocabulary (transformers, random weights), one
+torch thread each. Also measures the learner's training tokens/s and the process's peak memory.
+Prints one JSON line. Needs `transformers` (an optional dependency of this benchmark only).
+
+Usage: python benchmarks/local_throughput.py [--batch 64] [--new-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import time
+
+import torch
+
+from rllm_async.backends.base import SamplingParams
+from rllm_async.backends.local.learner import Learner
+from rllm_async.backends.local.model import build_model, frozen_copy, preset_config
+from rllm_async.backends.local.sampler import Sampler
+from rllm_async.backends.local.snapshots import WeightStore
+from rllm_async.backends.local.tokenizer import CharTokenizer
+from rllm_async.config import LossConfig, OptimConfig
+from rllm_async.types import Step, Trajectory, TrajectoryGroup
+
+PROMPT_TOKENS = 16
+
+
+def ours(batch: int, new_tokens: int) -> float:
+    """Tokens/s of our sampler with `batch` concurrent requests."""
+    tok = CharTokenizer()
+    model = build_model(preset_config("small", tok.vocab_size), seed=0)
+    store = WeightStore(0, frozen_copy(model, torch.device("cpu"), torch.float32))
+    sampler = Sampler(
+        store,
+        tok,
+        stop_ids=(),
+        max_batch=batch,
+        max_seq_len=PROMPT_TOKENS + new_tokens,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        threads=1,
+        seed=0,
+    )
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens)
+    prompt = tok.encode("x" * PROMPT_TOKENS)
+
+    async def all_at_once() -> int:
+        outs = await asyncio.gather(*(sampler.generate(prompt, params) for _ in range(batch)))
+        return sum(len(o.ids) for o in outs)
+
+    try:
+        t0 = time.perf_counter()
+        tokens = asyncio.run(all_at_once())
+        return tokens / (time.perf_counter() - t0)
+    finally:
+        sampler.close()
+
+
+def hf(batch: int, new_tokens: int) -> float:
+    """Tokens/s of `transformers` generate() on a Qwen2 of the same shape."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = preset_config("small", CharTokenizer().vocab_size)
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.dim,
+            intermediate_size=cfg.ffn_dim,
+            num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.kv_heads,
+            max_position_embeddings=PROMPT_TOKENS + new_tokens,
+            tie_word_embeddings=True,
+        )
+    ).eval()
+    ids = torch.randint(4, cfg.vocab_size, (batch, PROMPT_TOKENS))
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+        elapsed = time.perf_counter() - t0
+    return (out.shape[1] - PROMPT_TOKENS) * batch / elapsed
+
+
+def training(batch: int, seq_len: int) -> float:
+    """Learner tokens/s (forward + backward + AdamW) on `batch` sequences of `seq_len` tokens."""
+    tok = CharTokenizer()
+    model = build_model(preset_config("small", tok.vocab_size), seed=0)
+    learner = Learner(
+        model,
+        OptimConfig(lr=1e-4),
+        total_steps=10,
+        temperature=1.0,
+        train_batch=16,
+        compute_dtype=torch.float32,
+    )
+    half = seq_len // 2
+    trajs = [
+        Trajectory(
+            steps=[Step([5] * half, [6] * half, [-1.0] * half, [0] * half)], reward=float(i % 2)
+        )
+        for i in range(batch)
+    ]
+    groups = [TrajectoryGroup("t", "default", trajs, [t.reward - 0.5 for t in trajs])]
+    learner.forward_backward(groups, LossConfig())  # warm-up
+    learner.optim_step()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        learner.forward_backward(groups, LossConfig())
+        learner.optim_step()
+    return 3 * batch * seq_len / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ours_tps = ours(args.batch, args.new_tokens)
+    hf_tps = hf(args.batch, args.new_tokens)
+    train_tps = training(args.batch, PROMPT_TOKENS + args.new_tokens)
+    print(
+        json.dumps(
+            {
+                "batch": args.batch,
+                "new_tokens": args.new_tokens,
+                "sampler_tokens_per_s": round(ours_tps),
+                "hf_generate_tokens_per_s": round(hf_tps),
+                "sampler_speedup_vs_hf": round(ours_tps / hf_tps, 2),
+                "train_tokens_per_s": round(train_tps),
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
