@@ -176,3 +176,80 @@ def test_cancelled_request_frees_its_slot_and_close_is_idempotent() -> None:
             await policy.generate(p, SamplingParams(max_tokens=3))
 
     asyncio.run(main())
+
+
+def test_batched_sampling_follows_the_distribution_and_top_p() -> None:
+    import random
+
+    import torch
+
+    from rllm_async.backends.base import SamplingParams
+    from rllm_async.backends.local.sampler import sample_tokens
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    rng = random.Random(0)
+    n = 20_000
+    draws = [
+        sample_tokens(logits, [SamplingParams(temperature=1.0)], [rng.random()])[0][0]
+        for _ in range(n)
+    ]
+    expected = torch.softmax(logits[0], -1)
+    for token in range(4):
+        assert abs(draws.count(token) / n - float(expected[token])) < 0.015
+    # top_p = 0.7 keeps the two most likely tokens (0.64 + 0.24 >= 0.7), never the tail.
+    top = [
+        sample_tokens(logits, [SamplingParams(top_p=0.7)], [rng.random()])[0][0]
+        for _ in range(2000)
+    ]
+    assert set(top) == {0, 1}
+    # Logprobs are after temperature, before top-p; greedy uses the raw logits.
+    tokens, lps = sample_tokens(
+        logits.repeat(2, 1),
+        [SamplingParams(temperature=0.5), SamplingParams(temperature=0.0)],
+        [0.99, 0.5],
+    )
+    assert tokens[1] == 0 and abs(lps[1] - float(torch.log_softmax(logits[0], -1)[0])) < 1e-6
+    assert abs(lps[0] - float(torch.log_softmax(logits[0] / 0.5, -1)[tokens[0]])) < 1e-6
+
+
+def test_a_seeded_request_samples_the_same_alone_or_in_a_batch() -> None:
+    import asyncio
+
+    import torch
+
+    from rllm_async.backends.base import SamplingParams
+    from rllm_async.backends.local.model import build_model, frozen_copy, preset_config
+    from rllm_async.backends.local.sampler import Sampler
+    from rllm_async.backends.local.snapshots import WeightStore
+    from rllm_async.backends.local.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    model = build_model(preset_config("tiny", tok.vocab_size), seed=0)
+    store = WeightStore(0, frozen_copy(model, torch.device("cpu"), torch.float32))
+    sampler = Sampler(
+        store,
+        tok,
+        (),
+        max_batch=16,
+        max_seq_len=40,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        threads=1,
+        seed=0,
+    )
+    seeded = SamplingParams(max_tokens=12, seed=123)
+
+    async def alone() -> list[int]:
+        return (await sampler.generate(tok.encode("hi"), seeded)).ids
+
+    async def crowded() -> list[int]:
+        others = [
+            sampler.generate(tok.encode(f"x{i}"), SamplingParams(max_tokens=12)) for i in range(8)
+        ]
+        outs = await asyncio.gather(sampler.generate(tok.encode("hi"), seeded), *others)
+        return outs[0].ids
+
+    try:
+        assert asyncio.run(alone()) == asyncio.run(crowded())
+    finally:
+        sampler.close()

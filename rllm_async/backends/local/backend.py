@@ -62,6 +62,11 @@ class LocalPolicy:
     def tokenizer(self) -> Tokenizer:
         return self._sampler.tokenizer
 
+    @property
+    def max_context_tokens(self) -> int:
+        """Prompt + completion tokens one sequence fits (`backend.max_seq_len`)."""
+        return self._sampler.max_seq_len
+
     def acquire(self) -> int:
         return self._store.acquire()
 

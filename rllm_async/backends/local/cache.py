@@ -39,6 +39,13 @@ class CacheView:
         self.length = int(positions.max()) + 1
         keys = torch.arange(self.length, device=positions.device)
         self.mask = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, length]
+        # Consecutive slots (the usual case once the sampler sorts its batch) are read as a view;
+        # any other set is gathered, which copies every row's history.
+        first = int(slots[0]) if slots.numel() else 0
+        consecutive = torch.equal(
+            slots, torch.arange(first, first + len(slots), device=slots.device)
+        )
+        self._rows = slice(first, first + len(slots)) if consecutive else slots
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -48,6 +55,6 @@ class CacheView:
         self.cache.k[layer, rows, :, self.positions] = k.transpose(1, 2)
         self.cache.v[layer, rows, :, self.positions] = v.transpose(1, 2)
         return (
-            self.cache.k[layer, self.slots, :, : self.length],
-            self.cache.v[layer, self.slots, :, : self.length],
+            self.cache.k[layer, self._rows, :, : self.length],
+            self.cache.v[layer, self._rows, :, : self.length],
         )

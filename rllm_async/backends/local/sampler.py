@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import heapq
 import random
 import threading
 import weakref
@@ -30,7 +31,7 @@ class _Request:
     params: SamplingParams
     max_new: int
     pinned: tuple[int, Transformer] | None  # a version and its weights; None: newest each step
-    generator: torch.Generator
+    rng: random.Random  # this request's own stream: its samples do not depend on its batch-mates
     future: concurrent.futures.Future[Completion]
     slot: int = -1
     ids: list[int] = field(default_factory=list)
@@ -113,7 +114,7 @@ class Sampler:
             params=params,
             max_new=min(params.max_tokens, room),
             pinned=pinned,
-            generator=torch.Generator().manual_seed(seed),
+            rng=random.Random(seed),
             future=future,
         )
         with self._wake:
@@ -139,7 +140,7 @@ class Sampler:
                 while self._pending and self._free:
                     request = self._pending.popleft()
                     if not request.future.cancelled():
-                        request.slot = self._free.pop()
+                        request.slot = heapq.heappop(self._free)  # lowest first: compact
                         joiners.append(request)
             try:
                 with torch.inference_mode():
@@ -207,15 +208,21 @@ class Sampler:
         for r in requests:
             version, model = r.pinned if r.pinned is not None else self.store.get(None)
             groups.setdefault(version, (model, []))[1].append(r)
-        return [(v, model, group) for v, (model, group) in groups.items()]
+        # Slot order lets the cache read a batch's history as one view instead of a gather.
+        return [(v, model, sorted(group, key=_slot)) for v, (model, group) in groups.items()]
 
     def _step(self, group: list[_Request], logits: torch.Tensor, version: int) -> None:
         """Sample one token per request from its row of `logits` and finish those that are done."""
-        for request, row in zip(group, logits, strict=True):
-            if request.future.cancelled():
-                self._finish(request)
-                continue
-            token, logprob = sample_token(row, request.params, request.generator)
+        live = [i for i, r in enumerate(group) if not r.future.cancelled()]
+        for request in (r for r in group if r.future.cancelled()):
+            self._finish(request)
+        if not live:
+            return
+        requests = [group[i] for i in live]
+        tokens, logprobs = sample_tokens(
+            logits[live], [r.params for r in requests], [r.rng.random() for r in requests]
+        )
+        for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
             request.ids.append(token)
             request.logprobs.append(logprob)
             request.versions.append(version)
@@ -240,7 +247,7 @@ class Sampler:
     ) -> None:
         if request.slot >= 0:
             with self._wake:
-                self._free.append(request.slot)
+                heapq.heappush(self._free, request.slot)
             request.slot = -1
         try:
             if error is not None:
@@ -252,6 +259,10 @@ class Sampler:
             pass  # the caller cancelled it meanwhile
 
 
+def _slot(request: _Request) -> int:
+    return request.slot
+
+
 def _stop(wake: threading.Condition, closed: threading.Event, thread: threading.Thread) -> None:
     with wake:
         closed.set()
@@ -259,20 +270,28 @@ def _stop(wake: threading.Condition, closed: threading.Event, thread: threading.
     thread.join()
 
 
-def sample_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> tuple[int, float]:
-    """Draw one token from a row of float32 logits; return it with its logprob."""
-    if params.temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        token = int(logits.argmax())
-        return token, float(logp[token])
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float]
+) -> tuple[list[int], list[float]]:
+    """Draw one token per row of float32 logits [B, V], batched; return tokens and their logprobs.
+
+    Each row is sampled by inverting its (temperature-scaled, top-p-truncated) CDF at its own
+    uniform draw, so a request's tokens depend only on its seed, not on its batch-mates.
+    Logprobs are after temperature and before top-p; temperature 0 is greedy on the raw logits.
+    """
+    temps = torch.tensor([p.temperature for p in params])
+    greedy = temps == 0
+    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps).unsqueeze(-1), dim=-1)
     probs = logp.exp()
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest head of the distribution whose mass reaches top_p (at least one token).
-        outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
-    token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(logp[token])
+    top_p = torch.tensor([p.top_p for p in params])
+    if bool((top_p < 1.0).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest head of each row whose mass reaches its top_p (at least one token).
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p.unsqueeze(-1)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    cdf = probs.cumsum(-1)
+    u = torch.tensor(uniforms, dtype=cdf.dtype) * cdf[:, -1]
+    drawn = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
+    tokens = torch.where(greedy, logits.argmax(-1), drawn.clamp(max=logits.shape[-1] - 1))
+    chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return tokens.tolist(), chosen.tolist()

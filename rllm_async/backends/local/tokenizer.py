@@ -15,7 +15,9 @@ class CharTokenizer:
     """One id per printable ASCII character; roles and end-of-turn are single special ids.
 
     Chat format: `<|user|>text<|end|><|assistant|>`; a reply ends with `<|end|>` (the EOS), so
-    the rendered history of turn k+1 extends the exact tokens of turn k plus its completion.
+    the rendered history of turn k+1 extends the exact tokens of turn k plus its completion. An
+    assistant turn's tool calls follow its text as `<tool_call>{"name": ..., "arguments": ...}
+    </tool_call>` blocks (see `rllm_async.workflows.chat`).
     """
 
     def __init__(self) -> None:
@@ -55,8 +57,27 @@ class CharTokenizer:
             if role not in ROLES:
                 raise ValueError(f"unknown chat role {role!r}: use one of {', '.join(ROLES)}")
             ids.append(self._ids[f"<|{role}|>"])
-            ids.extend(self.encode(str(msg.get("content") or "")))
+            ids.extend(self.encode(_text(msg.get("content")) + _tool_calls(msg.get("tool_calls"))))
             ids.append(self.eos_token_id)
         if add_generation_prompt:
             ids.append(self._ids["<|assistant|>"])
         return ids
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content or "")
+
+
+def _tool_calls(calls: Any) -> str:
+    """Tool calls as the model writes them; arguments given as a JSON string are kept verbatim."""
+    out = []
+    for call in calls or ():
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        arguments = fn.get("arguments", {})
+        args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        out.append(
+            f'<tool_call>{{"name": {json.dumps(fn.get("name"))}, "arguments": {args}}}</tool_call>'
+        )
+    return "".join(out)
