@@ -146,7 +146,13 @@ class WandbSink:
     """Logs each record to Weights & Biases; offline when no API key is configured."""
 
     def __init__(
-        self, project: str, name: str, entity: str | None, mode: str, config: dict[str, Any]
+        self,
+        project: str,
+        name: str,
+        entity: str | None,
+        mode: str,
+        config: dict[str, Any],
+        directory: Path,
     ) -> None:
         try:
             import wandb
@@ -157,7 +163,10 @@ class WandbSink:
             ) from e
         if mode == "auto":
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-        self._run = wandb.init(project=project, name=name, entity=entity, mode=mode, config=config)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(
+            project=project, name=name, entity=entity, mode=mode, config=config, dir=str(directory)
+        )
 
     def write(self, record: dict[str, float]) -> None:
         self._run.log(dict(record), step=int(record["step"]))

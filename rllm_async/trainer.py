@@ -177,9 +177,8 @@ class UnifiedTrainer:
             sinks.append(ProgressBarSink(cfg.train.total_steps, initial=initial, desc=cfg.name))
         if cfg.logging.wandb.enabled:
             w = cfg.logging.wandb
-            sinks.append(
-                WandbSink(w.project, cfg.name, w.entity, w.mode, cfg.model_dump(mode="json"))
-            )
+            config = cfg.model_dump(mode="json")
+            sinks.append(WandbSink(w.project, cfg.name, w.entity, w.mode, config, self.run_path))
         return sinks
 
     async def _teardown(self) -> None:
@@ -190,6 +189,7 @@ class UnifiedTrainer:
             coord.move(State.IN_FLIGHT, State.CANCELLED)
         self.metrics.close()
         try:
+            await asyncio.wait_for(self.workflow.close(), timeout=30)
             await asyncio.wait_for(self.backend.close(), timeout=30)
         finally:
             for cb in self.callbacks:
@@ -497,6 +497,7 @@ class UnifiedTrainer:
                 self.coordinator.version = state["version"]
             return await self.evaluate()
         finally:
+            await self.workflow.close()
             await self.backend.close()
 
     # -- checkpoints ---------------------------------------------------------------------------
