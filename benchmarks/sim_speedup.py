@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rllm_async.simulate import run_workload
+from rllm_async.simulate import compare, run_workload, sync_baselines
 
 
 def main() -> None:
@@ -24,59 +24,29 @@ def main() -> None:
     args = parser.parse_args()
     common = [f"train.total_steps={args.steps}", f"seed={args.seed}"]
     out: dict[str, object] = {"steps": args.steps, "seed": args.seed}
-
-    def row(base: dict, tested: dict) -> dict:
-        return {
-            "t_async_s": round(tested["time_s"], 1),
-            "t_ideal_s": round(tested["t_ideal_s"], 1),
-            "speedup": round(base["classic"] / tested["time_s"], 3),
-            "speedup_vs_streaming_sync": round(base["streaming"] / tested["time_s"], 3),
-            "efficiency": round(tested["t_ideal_s"] / tested["time_s"], 3),
-            "waste": round(tested["waste"], 4),
-            "staleness_max": tested["staleness_max"],
-            "staleness_mean": round(tested["staleness_mean"], 2),
-            "violations": tested["violations"],
-            "trainer_idle_ratio": round(tested["trainer_idle_ratio"], 3),
-            "wall_s": round(tested["wall_s"], 2),
-        }
-
     bases = {}
     for workload in ("W1", "W2", "W3"):
-        classic = run_workload(
-            workload, ["mode=sync", "train.micro_batch_groups=${train.groups_per_step}", *common]
-        )
-        streaming = run_workload(workload, ["mode=sync", *common])
-        base = bases[workload] = {"classic": classic["time_s"], "streaming": streaming["time_s"]}
-        result: dict[str, object] = {
-            "t_sync_s": round(classic["time_s"], 1),
-            "t_sync_streaming_s": round(streaming["time_s"], 1),
-        }
+        bases[workload] = sync_baselines(workload, common)
+        result = {}
         for d in args.depths:
-            tested = run_workload(
-                workload,
-                [
-                    "mode=async",
-                    f"coordinator.pipeline_depth={d}",
-                    "coordinator.max_staleness=null",
-                    *common,
-                ],
-            )
-            result[f"d{d}"] = row(base, tested)
+            overrides = [
+                "mode=async",
+                f"coordinator.pipeline_depth={d}",
+                "coordinator.max_staleness=null",
+            ]
+            result[f"d{d}"] = compare(*bases[workload], run_workload(workload, overrides + common))
         out[workload] = result
-
     hard = {}
     for concurrency in (512, 256):
-        tested = run_workload(
-            "W1",
-            [
-                "mode=async",
-                "coordinator.pipeline_depth=4",
-                "coordinator.max_staleness=8",
-                f"rollout.max_concurrency={concurrency}",
-                *common,
-            ],
+        overrides = [
+            "mode=async",
+            "coordinator.pipeline_depth=4",
+            "coordinator.max_staleness=8",
+            f"rollout.max_concurrency={concurrency}",
+        ]
+        hard[f"concurrency_{concurrency}"] = compare(
+            *bases["W1"], run_workload("W1", overrides + common)
         )
-        hard[f"concurrency_{concurrency}"] = row(bases["W1"], tested)
     out["W1_hard_bound_K8_d4"] = hard
     print(json.dumps(out))
 

@@ -63,6 +63,35 @@ def run_workload(workload: str, overrides: list[str]) -> dict[str, Any]:
     }
 
 
+def sync_baselines(workload: str, common: list[str]) -> tuple[float, float]:
+    """Simulated seconds of classic sync (generate the step, then train it) and of streaming sync."""
+    classic = run_workload(
+        workload, ["mode=sync", "train.micro_batch_groups=${train.groups_per_step}", *common]
+    )
+    streaming = run_workload(workload, ["mode=sync", *common])
+    return classic["time_s"], streaming["time_s"]
+
+
+def compare(classic_s: float, streaming_s: float, tested: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one tested run against the two sync baselines."""
+    return {
+        "t_sync_s": round(classic_s, 3),
+        "t_sync_streaming_s": round(streaming_s, 3),
+        "t_async_s": round(tested["time_s"], 3),
+        "t_ideal_s": round(tested["t_ideal_s"], 3),
+        "speedup": round(classic_s / tested["time_s"], 4),
+        "speedup_vs_streaming_sync": round(streaming_s / tested["time_s"], 4),
+        "efficiency": round(tested["t_ideal_s"] / tested["time_s"], 4),
+        "waste": round(tested["waste"], 4),
+        "staleness_max": tested["staleness_max"],
+        "staleness_mean": round(tested["staleness_mean"], 3),
+        "violations": tested["violations"],
+        "dropped_stale": tested["dropped_stale"],
+        "trainer_idle_ratio": round(tested["trainer_idle_ratio"], 4),
+        "wall_s": round(tested["wall_s"], 3),
+    }
+
+
 def simulate(
     workload: str,
     *,
@@ -83,12 +112,9 @@ def simulate(
     discarded tokens / generated tokens.
     """
     common = [f"train.total_steps={steps}", f"seed={seed}", *(overrides or [])]
-    classic = run_workload(
-        workload, ["mode=sync", "train.micro_batch_groups=${train.groups_per_step}", *common]
-    )
-    streaming = run_workload(workload, ["mode=sync", *common])
+    classic_s, streaming_s = sync_baselines(workload, common)
     if mode == "sync":
-        tested = streaming
+        tested = run_workload(workload, ["mode=sync", *common])
     else:
         k = "null" if max_staleness is None else str(max_staleness)
         tested = run_workload(
@@ -106,18 +132,5 @@ def simulate(
         "pipeline_depth": 0 if mode == "sync" else pipeline_depth,
         "max_staleness": 0 if mode == "sync" else max_staleness,
         "steps": steps,
-        "t_sync_s": round(classic["time_s"], 3),
-        "t_sync_streaming_s": round(streaming["time_s"], 3),
-        "t_async_s": round(tested["time_s"], 3),
-        "t_ideal_s": round(tested["t_ideal_s"], 3),
-        "speedup": round(classic["time_s"] / tested["time_s"], 4),
-        "speedup_vs_streaming_sync": round(streaming["time_s"] / tested["time_s"], 4),
-        "efficiency": round(tested["t_ideal_s"] / tested["time_s"], 4),
-        "waste": round(tested["waste"], 4),
-        "staleness_max": tested["staleness_max"],
-        "staleness_mean": round(tested["staleness_mean"], 3),
-        "violations": tested["violations"],
-        "dropped_stale": tested["dropped_stale"],
-        "trainer_idle_ratio": round(tested["trainer_idle_ratio"], 4),
-        "wall_s": round(tested["wall_s"], 3),
+        **compare(classic_s, streaming_s, tested),
     }
