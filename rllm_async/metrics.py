@@ -161,11 +161,15 @@ class WandbSink:
                 "logging.wandb.enabled is true but wandb is not installed: "
                 "pip install 'rllm-async[wandb]' or set logging.wandb.enabled=false"
             ) from e
-        if mode == "auto":
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        online = mode == "online" or (mode == "auto" and bool(os.environ.get("WANDB_API_KEY")))
         directory.mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(
-            project=project, name=name, entity=entity, mode=mode, config=config, dir=str(directory)
+            project=project,
+            name=name,
+            entity=entity,
+            mode="online" if online else "offline",
+            config=config,
+            dir=str(directory),
         )
 
     def write(self, record: dict[str, float]) -> None:

@@ -1,0 +1,146 @@
+"""The `backend:` options of `name: verl`, and the refusal of layouts and configs it cannot run.
+
+Nothing here imports verl, so a bad config is refused before Ray or verl start.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rllm_async.config import Config, ConfigError, validate_options
+
+
+class FSDPOptions(BaseModel):
+    """How verl's FSDP engine shards and stores the trained model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    fsdp_size: int = Field(default=-1, ge=-1)  # -1: shard over all training workers
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    reshard_after_forward: bool = True
+    # Compute dtype of forward/backward; the master weights and Adam moments stay float32.
+    # null: bfloat16 on cuda, float32 on cpu.
+    param_dtype: Literal["float32", "bfloat16"] | None = None
+    gradient_checkpointing: bool = False
+
+
+class VerlOptions(BaseModel):
+    """Options of `backend.name: verl`."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model_path: str  # a local Hugging Face checkpoint directory (weights, config, tokenizer)
+    device: Literal["cuda", "cpu"] = "cuda"  # cpu: the training workers run on CPU (gloo)
+    nodes: int = Field(default=1, ge=1)
+    gpus_per_node: int = Field(default=1, ge=1)  # with device: cpu, training processes per node
+    rollout: Literal["local", "vllm", "sglang"] = "local"
+    tensor_parallel_size: int = Field(default=1, ge=1)  # of each vllm/sglang rollout server
+    fsdp: FSDPOptions = Field(default_factory=FSDPOptions)
+    attn_implementation: str | None = None  # null: sdpa on cpu, flash_attention_2 on cuda
+    # Pack each micro-batch's sequences without padding; null: only with flash_attention_2.
+    use_remove_padding: bool | None = None
+    max_token_len_per_gpu: int = Field(default=16384, ge=1)  # tokens per training micro-batch
+    overrides: list[str] = Field(default_factory=list)  # extra Hydra overrides of verl's config
+    ray_address: str | None = None  # null: start Ray on this machine
+    ray_num_cpus: int | None = Field(default=None, ge=1)  # CPUs of a locally started Ray
+    # The local sampler (rollout: local) runs in this process, as in `backend.name: local`.
+    sampler_device: str = "cpu"
+    sampler_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_batch: int = Field(default=32, ge=1)
+    max_seq_len: int = Field(default=256, ge=2)
+    sampler_threads: int = Field(default=1, ge=1)
+    seed: int | None = None  # unseeded sampling; None: the config's seed
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def attention(self) -> str:
+        """The Hugging Face attention implementation the workers use."""
+        default = "sdpa" if self.device == "cpu" else "flash_attention_2"
+        return self.attn_implementation or default
+
+    @property
+    def remove_padding(self) -> bool:
+        if self.use_remove_padding is None:
+            return self.attention == "flash_attention_2"
+        return self.use_remove_padding
+
+
+def check_config(config: Config) -> VerlOptions:
+    """Validate the options and refuse every layout or option this backend cannot run."""
+    opts = validate_options(VerlOptions, config.backend.options, "backend")
+    problems = layout_problems(opts)
+    if config.algorithm.loss.kl_coef > 0:
+        problems.append(
+            f"algorithm.loss.kl_coef is {config.algorithm.loss.kl_coef}, but the verl backend builds "
+            "no reference model: set it to 0, or use backend.name: local"
+        )
+    if config.rollout.max_tokens >= opts.max_seq_len:
+        problems.append(
+            f"rollout.max_tokens ({config.rollout.max_tokens}) leaves no room for a prompt in "
+            f"backend.max_seq_len ({opts.max_seq_len}): raise max_seq_len or lower max_tokens"
+        )
+    if problems:
+        raise ConfigError("backend verl cannot run this config:\n  " + "\n  ".join(problems))
+    return opts
+
+
+def layout_problems(opts: VerlOptions) -> list[str]:
+    """What is impossible about the requested nodes, devices, sharding and rollout servers."""
+    problems = []
+    world = opts.world_size
+    fsdp = opts.fsdp
+    if fsdp.fsdp_size != -1 and (fsdp.fsdp_size == 0 or world % fsdp.fsdp_size):
+        problems.append(
+            f"backend.fsdp.fsdp_size ({fsdp.fsdp_size}) must divide the {world} training workers "
+            f"(nodes {opts.nodes} x gpus_per_node {opts.gpus_per_node}), or be -1 (all of them)"
+        )
+    if opts.tensor_parallel_size > opts.gpus_per_node:
+        problems.append(
+            f"backend.tensor_parallel_size ({opts.tensor_parallel_size}) exceeds "
+            f"backend.gpus_per_node ({opts.gpus_per_node}): a rollout server cannot span nodes"
+        )
+    elif opts.gpus_per_node % opts.tensor_parallel_size:
+        problems.append(
+            f"backend.tensor_parallel_size ({opts.tensor_parallel_size}) must divide "
+            f"backend.gpus_per_node ({opts.gpus_per_node})"
+        )
+    if opts.rollout == "local" and opts.tensor_parallel_size != 1:
+        problems.append(
+            "backend.tensor_parallel_size applies to vllm/sglang rollout servers; the local "
+            "sampler (rollout: local) runs on one device: set it to 1"
+        )
+    if opts.rollout != "local":
+        problems.append(
+            f"backend.rollout: {opts.rollout} is not wired in this version (verl's rollout servers "
+            "and weight transfer have never run here): use rollout: local, which samples in this "
+            "process with the weights exported from verl after every update"
+        )
+    if opts.device == "cpu" and (fsdp.param_offload or fsdp.optimizer_offload):
+        problems.append(
+            "backend.fsdp.param_offload/optimizer_offload mean nothing on cpu: remove them"
+        )
+    if opts.remove_padding and opts.attention != "flash_attention_2":
+        problems.append(
+            f"backend.use_remove_padding packs sequences into one row, which only verl's patched "
+            f"flash_attention_2 keeps apart; {opts.attention} would attend across them: set "
+            "use_remove_padding: false, or attn_implementation: flash_attention_2"
+        )
+    if opts.ray_address is None and opts.nodes > 1:
+        problems.append(
+            f"backend.nodes is {opts.nodes}, but a Ray started here has one node: start a cluster "
+            "(`ray start --head` on one node, `ray start --address=...` on the others) and give "
+            "its address as backend.ray_address"
+        )
+    if opts.ray_address is not None and opts.ray_num_cpus is not None:
+        problems.append(
+            "backend.ray_num_cpus sizes a Ray started here; with backend.ray_address the cluster "
+            "has its own resources: remove ray_num_cpus"
+        )
+    return problems

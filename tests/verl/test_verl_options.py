@@ -1,0 +1,83 @@
+"""Start-up refusals: impossible layouts, options the backend cannot honour, verl missing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rllm_async.backends.verl.options import check_config
+from rllm_async.config import Config, ConfigError, config_from_dict
+
+
+def make_config(**backend: Any) -> Config:
+    return config_from_dict(
+        {
+            "backend": {"name": "verl", "model_path": "/nonexistent", **backend},
+            "rollout": {"max_tokens": 8},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ({"gpus_per_node": 4, "fsdp": {"fsdp_size": 3}}, "fsdp_size (3) must divide the 4"),
+        (
+            {"gpus_per_node": 2, "tensor_parallel_size": 4, "rollout": "vllm"},
+            "exceeds backend.gpus_per_node",
+        ),
+        (
+            {"gpus_per_node": 6, "tensor_parallel_size": 4, "rollout": "vllm"},
+            "must divide backend.gpus_per_node",
+        ),
+        (
+            {"tensor_parallel_size": 2, "gpus_per_node": 2},
+            "local sampler (rollout: local) runs on one device",
+        ),
+        ({"rollout": "sglang"}, "rollout: sglang is not wired"),
+        ({"nodes": 2}, "a Ray started here has one node"),
+        ({"ray_address": "auto", "ray_num_cpus": 4}, "remove ray_num_cpus"),
+        ({"device": "cpu", "fsdp": {"param_offload": True}}, "mean nothing on cpu"),
+        ({"max_seq_len": 8}, "leaves no room for a prompt"),
+        ({"device": "cpu", "use_remove_padding": True}, "sdpa would attend across them"),
+    ],
+)
+def test_impossible_layouts_are_refused(backend: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match="backend verl cannot run this config") as err:
+        check_config(make_config(**backend))
+    assert message in str(err.value)
+
+
+def test_kl_penalty_is_refused() -> None:
+    cfg = config_from_dict(
+        {
+            "backend": {"name": "verl", "model_path": "/x"},
+            "algorithm": {"loss": {"kl_coef": 0.1}},
+        }
+    )
+    with pytest.raises(ConfigError, match="builds no reference model"):
+        check_config(cfg)
+
+
+def test_unknown_option_gets_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match="did you mean 'gpus_per_node'"):
+        check_config(make_config(gpu_per_node=2))
+
+
+def test_missing_verl_names_the_extra(tmp_path: Path) -> None:
+    """With verl unimportable, choosing the backend says how to install it."""
+    code = (
+        "import sys; sys.modules['verl'] = None\n"
+        "from rllm_async.backends import get_backend_factory\n"
+        "from rllm_async.config import ConfigError\n"
+        "try:\n    get_backend_factory('verl')\n"
+        "except ConfigError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    assert "pip install 'rllm-async[verl]'" in out.stdout, out.stdout + out.stderr
