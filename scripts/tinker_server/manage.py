@@ -7,7 +7,8 @@
 `setup` installs skyrl[tinker,jax]==0.3.0 and tinker==0.24.1 (the last SDK that speaks the JSON
 protocol this server does) into their own venv, with this repository (editable) and the test
 tools, so tests and `rllm-async` can run there against the server. Nothing is ever downloaded from
-a model hub: the server runs with HF_HUB_OFFLINE=1 on a checkpoint built here.
+a model hub: the server runs with HF_HUB_OFFLINE=1 on a checkpoint built here. JAX's compiled
+kernels are cached in .tinker-server/jax-cache/, so only the first server start compiles them.
 Standard library only; importable by the pytest fixture (`start`, `stop`).
 """
 
@@ -31,7 +32,22 @@ STATE = REPO / ".tinker-server"
 MODEL = STATE / "model"
 PACKAGES = ["skyrl[tinker,jax]==0.3.0", "tinker==0.24.1"]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "pyyaml>=6"]
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+JAX_CACHE = STATE / "jax-cache"
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "JAX_PLATFORMS": "cpu",
+    # JAX's compiled kernels persist across server starts: only the first start pays for them.
+    "JAX_COMPILATION_CACHE_DIR": str(JAX_CACHE),
+}
+# Fixed batch shapes, so that JAX compiles few kernels: every sampling batch is padded to 8
+# sequences, every forward/backward is split into micro-batches of 4.
+BACKEND_CONFIG = {
+    "max_lora_adapters": 32,
+    "max_lora_rank": 32,
+    "sample_max_num_sequences": 8,
+    "train_micro_batch_size": 4,
+}
 
 
 def venv_python(venv: Path = VENV) -> Path:
@@ -77,7 +93,6 @@ def build_model(out: Path = MODEL, python: Path | None = None) -> Path:
 
 def server_command(python: Path, model: Path, workdir: Path, port: int) -> list[str]:
     """The command line that starts SkyRL's API server (and, through it, its engine)."""
-    backend_config = {"max_lora_adapters": 32, "max_lora_rank": 32}
     return [
         str(python),
         str(HERE / "launch.py"),
@@ -95,7 +110,7 @@ def server_command(python: Path, model: Path, workdir: Path, port: int) -> list[
         "--external-inference-lora-base",
         str(workdir / "lora"),
         "--backend-config",
-        json.dumps(backend_config),
+        json.dumps(BACKEND_CONFIG),
     ]
 
 

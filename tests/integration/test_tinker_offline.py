@@ -22,7 +22,7 @@ from rllm_async.algorithms.schedule import learning_rate
 from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.tinker.data import StepNormalizer, examples, loss_stats
 from rllm_async.backends.tinker.options import check_config, loss_fn_config
-from rllm_async.config import ConfigError, LossConfig, OptimConfig, config_from_dict
+from rllm_async.config import ConfigError, LossConfig, OptimConfig, config_from_dict, load_config
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 try:
@@ -212,6 +212,66 @@ def test_without_server_snapshots_an_older_version_is_refused() -> None:
         asyncio.run(policy.generate([1], SamplingParams(), version=pinned))
 
 
+class SlowSampler(FakeSampler):
+    """Answers when the test says so, to hold a sample call in flight."""
+
+    def __init__(self, token: int) -> None:
+        super().__init__(token)
+        self.calls: list[concurrent.futures.Future[object]] = []
+
+    def sample(self, prompt: object, num_samples: int, sampling_params: object) -> object:
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        self.calls.append(future)
+        return future
+
+    def answer(self) -> None:
+        seq = SimpleNamespace(tokens=[self.token], logprobs=[-1.0], stop_reason="stop")
+        self.calls.pop(0).set_result(SimpleNamespace(sequences=[seq]))
+
+
+@needs_sdk
+def test_without_snapshots_weights_never_change_under_a_sample_call() -> None:
+    """freeze() (before an optimizer step) waits for the sample calls in flight and holds new ones
+    until the next publish, so each completion is tagged with the version that produced it."""
+    slow = SlowSampler(100)
+    policy = make_policy(snapshots=False)
+    policy.publish(0, slow)
+    params = SamplingParams(max_tokens=4)
+
+    async def main() -> None:
+        running = asyncio.create_task(policy.generate([1], params))
+        await asyncio.sleep(0.01)
+        assert len(slow.calls) == 1
+        freeze = asyncio.create_task(policy.freeze())
+        await asyncio.sleep(0.01)
+        assert not freeze.done()  # the optimizer step waits for the call in flight
+        later = asyncio.create_task(policy.generate([1], params))
+        await asyncio.sleep(0.01)
+        assert len(slow.calls) == 1  # a new call waits while frozen
+        slow.answer()
+        await freeze
+        assert (await running).versions == [0]
+        await asyncio.sleep(0.01)
+        assert not later.done() and not slow.calls
+        policy.publish(1, FakeSampler(101))  # the weight sync after the step
+        out = await later
+        assert (out.ids, out.versions) == ([101], [1])
+
+    asyncio.run(main())
+
+
+@needs_sdk
+def test_with_snapshots_sampling_never_waits_for_an_optimizer_step() -> None:
+    policy = make_policy()
+
+    async def main() -> None:
+        await policy.freeze()
+        out = await asyncio.wait_for(policy.generate([1], SamplingParams()), 1)
+        assert out.versions == [0]
+
+    asyncio.run(main())
+
+
 @needs_sdk
 def test_stop_is_eos_token_or_strings_plus_eos_text() -> None:
     policy = make_policy()
@@ -287,11 +347,18 @@ def test_the_default_loss_config_is_refused_for_its_importance_sampling() -> Non
         check_config(config_from_dict(cfg))
 
 
-def test_servers_without_snapshots_only_run_on_policy() -> None:
+def test_servers_without_snapshots_sample_only_the_newest_weights() -> None:
     cfg = tinker_config(server_snapshots=False)
-    with pytest.raises(ConfigError, match="pipeline_depth is 1"):
+    with pytest.raises(ConfigError, match="pipeline_depth is 1 with weight_update: pin") as e:
         check_config(config_from_dict(cfg))
+    assert "weight_update: latest" in str(e.value) and "snapshots" in str(e.value)
     check_config(config_from_dict({**cfg, "mode": "sync"}))
+    latest = {"pipeline_depth": 2, "max_staleness": 2, "weight_update": "latest"}
+    check_config(config_from_dict({**cfg, "coordinator": latest}))
+    pinned_on_policy = {"pipeline_depth": 0, "weight_update": "pin"}
+    check_config(config_from_dict({**cfg, "coordinator": pinned_on_policy}))
+    # Servers with snapshots take any schedule.
+    check_config(config_from_dict(tinker_config()))
 
 
 def test_unknown_and_missing_options_are_config_errors() -> None:
@@ -390,3 +457,36 @@ def test_learning_rate_schedule() -> None:
     lin = OptimConfig(lr=1.0, schedule="linear")
     assert learning_rate(lin, 0, 4) == 1.0 and learning_rate(lin, 3, 4) == 0.25
     assert learning_rate(OptimConfig(lr=0.1), 50, 4) == 0.1
+
+
+# -- the example configs -----------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "countdown"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_tinker_examples_validate_without_a_server(mode) -> None:
+    """The whole config, the backend's own options and its refusals, the workflow and the data
+    generator: everything `rllm-async train` checks before it contacts the service."""
+    from rllm_async.imports import import_object
+    from rllm_async.trainer import _build_workflow
+
+    cfg = load_config(EXAMPLES / f"tinker_{mode}.yaml")
+    assert cfg.mode == mode and cfg.backend.name == "tinker"
+    options = check_config(cfg)
+    assert options.base_model.startswith("Qwen/") and options.server_snapshots
+    assert cfg.algorithm.loss.importance_sampling == "none"
+    if mode == "async":
+        assert cfg.coordinator.pipeline_depth == 1 and cfg.coordinator.weight_update == "pin"
+    _build_workflow(cfg)
+    assert cfg.data.train is not None and cfg.data.train.generator is not None
+    generate = import_object(cfg.data.train.generator, "data.train.generator")
+    assert len(generate(**{**cfg.data.train.args, "n": 3})) == 3
+
+    # Pointed at SkyRL's server (no snapshot samplers): async needs weight_update: latest.
+    local = ["backend.server_snapshots=false", "backend.server_loss_reduction=sequence_mean"]
+    if mode == "async":
+        with pytest.raises(ConfigError, match="weight_update: latest"):
+            check_config(load_config(EXAMPLES / "tinker_async.yaml", local))
+        local.append("coordinator.weight_update=latest")
+    check_config(load_config(EXAMPLES / f"tinker_{mode}.yaml", local))

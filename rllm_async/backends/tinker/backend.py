@@ -33,7 +33,9 @@ class TinkerBackend:
 
     The server connection opens on the first async call. `forward_backward` submits its request and
     returns once the previous one is done, so one micro-batch is always queued behind the running
-    one; `optim_step` waits for all of them and reports the step's loss metrics.
+    one (`pipeline_requests: false` awaits each instead); `optim_step` waits for all of them and
+    reports the step's loss metrics. Without server snapshots, `optim_step` first lets the sample
+    calls in flight finish and holds new ones until the next `on_policy_updated` (see TinkerPolicy).
     """
 
     options: ClassVar[type[TinkerOptions]] = TinkerOptions
@@ -111,18 +113,26 @@ class TinkerBackend:
                 self._training, data, LOSS_FNS[loss.name], loss_fn_config(loss)
             )
             self._pending.append((future, batch, loss))
-        await self._drain(keep=1)
+        await self._drain(keep=1 if self.opts.pipeline_requests else 0)
         return {}
 
     async def optim_step(self) -> dict[str, float]:
-        """Submit the step with our LR, wait for every pending micro-batch and the step itself."""
+        """Submit the step with our LR, wait for every pending micro-batch and the step itself.
+
+        Without server snapshots, sampling is frozen from here to the next `on_policy_updated`.
+        """
         await self._start()
         optim = self.config.optim
         lr = learning_rate(optim, self._step, self.config.train.total_steps)
         params = sdk.adam_params(lr, optim.betas, optim.weight_decay, optim.grad_clip)
-        future = sdk.optim_step(self._training, params)
-        await self._drain(keep=0)
-        response = await sdk.call("optim_step", future, self._timeout)
+        await self._policy.freeze()
+        try:
+            future = sdk.optim_step(self._training, params)
+            await self._drain(keep=0)
+            response = await sdk.call("optim_step", future, self._timeout)
+        except BaseException:
+            self._policy.thaw()
+            raise
         self._step += 1
         metrics = {"optim/lr": lr, **self._stats.metrics(), **self._normalizer.close_step()}
         metrics.update({f"tinker/{k}": v for k, v in sdk.optim_metrics(response).items()})
@@ -185,6 +195,7 @@ class TinkerBackend:
     async def close(self) -> None:
         """Drop pending results and end the session."""
         self._pending.clear()
+        self._policy.thaw()
         if self._service is not None:
             await sdk.close(self._service, min(self._timeout, 30.0))
         self._service = self._training = None

@@ -29,8 +29,13 @@ class TinkerOptions(BaseModel):
     # sequences; SkyRL's open-source server averages over each sequence, then over the sequences.
     server_loss_reduction: Literal["sum", "sequence_mean"] = "sum"
     # Whether a sampler keeps the weights it was created with. SkyRL's server loads a sampler's
-    # weights into the training adapter instead: there, only strictly on-policy runs are correct.
+    # weights into the training adapter instead: there, only the newest weights can be sampled
+    # (mode: sync, or async with coordinator.weight_update: latest), and sampling pauses around
+    # each optimizer step.
     server_snapshots: bool = True
+    # Submit each forward_backward before awaiting the previous one (one request always queued
+    # behind the running one); false awaits each before the next is sent (for comparison).
+    pipeline_requests: bool = True
     request_timeout_s: float = Field(default=600.0, gt=0.0)
     connect_timeout_s: float = Field(default=5.0, gt=0.0)
     connect_attempts: int = Field(default=3, ge=1)
@@ -75,12 +80,14 @@ def check_config(config: Config) -> TinkerOptions:
     """Validate the backend options and refuse every option Tinker cannot honour."""
     options = validate_options(TinkerOptions, config.backend.options, "backend")
     problems = loss_problems(config.algorithm.loss)
-    if not options.server_snapshots and config.coordinator.pipeline_depth > 0:
+    co = config.coordinator
+    if not options.server_snapshots and co.pipeline_depth > 0 and co.weight_update == "pin":
         problems.append(
             "backend.server_snapshots is false (the server's samplers share the training weights), "
-            f"but coordinator.pipeline_depth is {config.coordinator.pipeline_depth}: sampling while "
-            "training would mix or overwrite weights; use mode: sync (or pipeline_depth: 0), or a "
-            "server whose samplers are snapshots (the Tinker service)"
+            f"but coordinator.pipeline_depth is {co.pipeline_depth} with weight_update: pin, which "
+            "keeps sampling a version after newer weights exist and would overwrite them: set "
+            "coordinator.weight_update: latest (every call samples the newest weights), or "
+            "mode: sync, or use a server whose samplers are snapshots (the Tinker service)"
         )
     _refuse(problems)
     return options

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -15,6 +16,13 @@ class TinkerPolicy:
 
     Each `on_policy_updated` publishes a new snapshot sampler. A version stays live while it is the
     newest or while `acquire` holds it; a released, superseded version's sampler is dropped.
+
+    Without server snapshots (SkyRL's server: a sampler samples whatever the training adapter holds,
+    and its first call loads its saved weights back into it), only the newest version is sampled,
+    and the weights must not change under a sample call: the backend calls `freeze()` before each
+    optimizer step, which stops new calls and waits for those in flight, and the next `publish`
+    lets them go on. So the version a completion is tagged with is the one whose weights the server
+    held from the request to the answer, exactly.
     """
 
     def __init__(
@@ -31,6 +39,12 @@ class TinkerPolicy:
         self._samplers: dict[int, Any] = {}
         self._holds: dict[int, int] = {}
         self.latest = 0
+        # Without snapshots: sample calls in flight, and whether new ones must wait (`freeze`).
+        self._in_flight = 0
+        self._frozen = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._open = asyncio.Event()  # set unless frozen
+        self._idle = asyncio.Event()  # set when no sample call is in flight
 
     @property
     def tokenizer(self) -> HFTokenizer:
@@ -51,10 +65,35 @@ class TinkerPolicy:
             self._holds[version] = held - 1
 
     def publish(self, version: int, sampler: Any) -> None:
-        """Make `sampler` the newest weights, as `version`."""
+        """Make `sampler` the newest weights, as `version` (and let frozen sampling go on)."""
         previous, self.latest = self.latest, version
         self._samplers[version] = sampler
         self._prune(previous)
+        self.thaw()
+
+    async def freeze(self) -> None:
+        """Without snapshots: stop new sample calls and wait for those in flight (the weights are
+        about to change) until `publish` or `thaw`. With snapshots, nothing to do."""
+        if self._snapshots:
+            return
+        self._events()
+        self._frozen = True
+        self._open.clear()
+        if self._in_flight:
+            try:
+                await asyncio.wait_for(self._idle.wait(), self._timeout_s)
+            except TimeoutError:
+                self.thaw()
+                raise sdk.TinkerBackendError(
+                    f"sample calls still running after {self._timeout_s:.0f}s "
+                    "(backend.request_timeout_s) before an optimizer step"
+                ) from None
+
+    def thaw(self) -> None:
+        """Let sample calls go on (after `freeze`)."""
+        self._frozen = False
+        if self._loop is not None:
+            self._open.set()
 
     @property
     def live_versions(self) -> list[int]:
@@ -64,6 +103,15 @@ class TinkerPolicy:
         self, prompt_ids: list[int], params: base.SamplingParams, *, version: int | None = None
     ) -> base.Completion:
         await self._start()
+        if self._frozen:
+            self._events()
+            try:
+                await asyncio.wait_for(self._open.wait(), self._timeout_s)
+            except TimeoutError:
+                raise sdk.TinkerBackendError(
+                    f"sampling waited {self._timeout_s:.0f}s (backend.request_timeout_s) for an "
+                    "optimizer step and weight sync to finish"
+                ) from None
         v = self.latest if version is None else version
         sampler = self._samplers.get(v)
         if not self._snapshots and v != self.latest:
@@ -77,9 +125,19 @@ class TinkerPolicy:
                 f"policy version {v} is not live (live: {self.live_versions}); "
                 "acquire() a version to keep its weights until release()"
             )
-        ids, logprobs, reason = await sdk.sample(
-            sampler, prompt_ids, self._sdk_params(params), self._timeout_s
-        )
+        if not self._snapshots:
+            self._events()
+            self._in_flight += 1
+            self._idle.clear()
+        try:
+            ids, logprobs, reason = await sdk.sample(
+                sampler, prompt_ids, self._sdk_params(params), self._timeout_s
+            )
+        finally:
+            if not self._snapshots:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._idle.set()
         return base.Completion(
             ids, logprobs, [v] * len(ids), "length" if reason == "length" else "stop"
         )
@@ -93,6 +151,17 @@ class TinkerPolicy:
         return sdk.sampling_params(
             params.max_tokens, params.temperature, params.top_p, params.seed, stop
         )
+
+    def _events(self) -> None:
+        """Bind the freeze events to the running loop (a backend may outlive one loop)."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._loop = loop
+            self._open, self._idle = asyncio.Event(), asyncio.Event()
+            if not self._frozen:
+                self._open.set()
+            if not self._in_flight:
+                self._idle.set()
 
     def _prune(self, version: int) -> None:
         if version != self.latest and version not in self._holds:
