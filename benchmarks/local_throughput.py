@@ -1,6 +1,6 @@
 """Local backend throughput: our KV-cache sampler vs `transformers` generate() on a same-size model.
 
-Both sample 64 sequences of `--new-tokens` tokens from the `small` preset's architecture (ours) and a
+Both sample 64 sequences (after a warm-up; median of three interleaved runs each) of `--new-tokens` tokens from the `small` preset's architecture (ours) and a
 Qwen2 config of the same width, depth, heads and vocabulary (transformers, random weights), one
 torch thread each. Also measures the learner's training tokens/s and the process's peak memory.
 Prints one JSON line. Needs `transformers` (an optional dependency of this benchmark only).
@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import resource
+import statistics
 import time
 
 import torch
@@ -128,8 +129,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ours_tps = ours(args.batch, args.new_tokens)
-    hf_tps = hf(args.batch, args.new_tokens)
+    ours(args.batch, 8), hf(args.batch, 8)  # warm-up: first-call costs are not throughput
+    # Interleaved, median of three each, so that drifting load hits both alike.
+    runs = [(ours(args.batch, args.new_tokens), hf(args.batch, args.new_tokens)) for _ in range(3)]
+    ours_tps = statistics.median(o for o, _ in runs)
+    hf_tps = statistics.median(h for _, h in runs)
     train_tps = training(args.batch, PROMPT_TOKENS + args.new_tokens)
     print(
         json.dumps(
