@@ -93,6 +93,40 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    from rllm_async.gateway.serve import serve
+    from rllm_async.trainer import latest_checkpoint
+
+    path, overrides = _split_args(args.rest)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else None
+    if checkpoint is not None and (checkpoint / "config.yaml").exists():  # a run directory
+        path = path or str(checkpoint / "config.yaml")
+        checkpoint = latest_checkpoint(checkpoint)
+        if checkpoint is None:
+            raise ConfigError(f"{args.checkpoint} has no complete checkpoint under checkpoints/")
+    if checkpoint is not None and not (checkpoint / "trainer_state.json").exists():
+        raise ConfigError(
+            f"--checkpoint {checkpoint}: not a checkpoint directory (no trainer_state.json); "
+            "give runs/<name> or runs/<name>/checkpoints/step_<N>"
+        )
+    config = load_config(path, overrides)
+    asyncio.run(
+        serve(
+            config,
+            checkpoint=checkpoint,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key or os.environ.get("RLLM_ASYNC_API_KEY") or None,
+            model=args.model,
+            export_path=Path(args.export) if args.export else None,
+        )
+    )
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from rllm_async.plot import plot_runs
 
@@ -130,6 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: newest)")
     ev.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. eval.temperature=0.7")
     ev.set_defaults(func=cmd_eval)
+
+    srv = sub.add_parser("serve", help="the OpenAI-compatible gateway over a checkpoint's policy")
+    srv.add_argument("rest", nargs="*", metavar="[CONFIG] [key=value ...]")
+    srv.add_argument(
+        "--checkpoint", default=None, help="a run directory (its newest checkpoint) or a checkpoint"
+    )
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="required key (default: $RLLM_ASYNC_API_KEY)")
+    srv.add_argument("--model", default="policy", help="the model name clients ask for")
+    srv.add_argument("--export", default=None, help="append closed sessions' records to this JSONL")
+    srv.set_defaults(func=cmd_serve)
 
     plot = sub.add_parser("plot", help="PNG curves of one or more runs (overlaid)")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR")

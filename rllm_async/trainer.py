@@ -189,8 +189,10 @@ class UnifiedTrainer:
             coord.move(State.IN_FLIGHT, State.CANCELLED)
         self.metrics.close()
         try:
-            await asyncio.wait_for(self.workflow.close(), timeout=30)
-            await asyncio.wait_for(self.backend.close(), timeout=30)
+            try:
+                await asyncio.wait_for(self.workflow.close(), timeout=30)
+            finally:
+                await asyncio.wait_for(self.backend.close(), timeout=30)
         finally:
             for cb in self.callbacks:
                 cb.on_train_end(coord.version)
@@ -497,8 +499,10 @@ class UnifiedTrainer:
                 self.coordinator.version = state["version"]
             return await self.evaluate()
         finally:
-            await self.workflow.close()
-            await self.backend.close()
+            try:
+                await self.workflow.close()
+            finally:
+                await self.backend.close()
 
     # -- checkpoints ---------------------------------------------------------------------------
 

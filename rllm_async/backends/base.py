@@ -78,7 +78,8 @@ class PolicyClient(Protocol):
 
     `acquire()` returns the current version and keeps its weights alive until `release(version)`;
     `generate(..., version=v)` samples with those weights (`weight_update: pin`), and
-    `version=None` samples with the newest weights (`weight_update: latest`).
+    `version=None` samples with the newest weights (`weight_update: latest`). A client may also
+    expose `max_context_tokens: int` (prompt + completion), which chat calls and the gateway check.
     """
 
     @property

@@ -51,6 +51,11 @@ class HFTokenizer:
             raise ValueError(f"the tokenizer in {path} defines no eos token")
         self.eos_token_id: int = int(self._tok.eos_token_id)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are below this (the gateway checks token-id prompts against it)."""
+        return len(self._tok)
+
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 

@@ -1,0 +1,249 @@
+"""What the gateway costs: added latency per call, sustained requests/s, memory over many sessions.
+
+The policy answers instantly (a fixed 8-token reply on the character tokenizer), so every figure is
+the gateway's own cost (HTTP, JSON, validation, chat rendering, recording) plus the client's.
+Prints one JSON line:
+- direct_p50_ms / direct_p99_ms: `ctx.chat_turn` on the policy, no HTTP;
+- httpx_p50_ms / httpx_p99_ms and openai_p50_ms / openai_p99_ms: the same call through a session of
+  an in-process gateway on 127.0.0.1, with raw httpx and with the official `openai` client;
+- added_p50_ms / added_p99_ms: openai minus direct (what an agent sees);
+- rps_256_sessions: chat calls per second sustained by a gateway in its own process with 256
+  concurrent sessions, each a client loop in this process on its own keep-alive connection;
+  server_cpu_ms_per_call: the gateway process's CPU time per call meanwhile (a figure that does
+  not depend on what else shares the machine);
+- rss_mb: the gateway process's resident memory after every 1,000 of 10,000 sessions, each
+  opened, called once and closed; open_sessions_after: sessions left open at the end.
+
+Usage: python benchmarks/gateway_overhead.py [--calls 1000] [--seconds 10] [--sessions 10000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+from openai import AsyncOpenAI
+
+from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
+from rllm_async.backends.local.tokenizer import CharTokenizer
+from rllm_async.gateway import Gateway
+from rllm_async.workflows.base import RolloutContext
+
+CHAT = {"model": "policy", "messages": [{"role": "user", "content": "guess 1-15"}]}
+
+
+class InstantPolicy:
+    """Replies "answer42" at once; version 0."""
+
+    def __init__(self) -> None:
+        self.tok = CharTokenizer()
+        self.reply = [*self.tok.encode("answer42"), self.tok.eos_token_id]
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.tok
+
+    def acquire(self) -> int:
+        return 0
+
+    def release(self, version: int) -> None:
+        return None
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, version: int | None = None
+    ) -> Completion:
+        n = len(self.reply)
+        return Completion(list(self.reply), [-0.1] * n, [0] * n)
+
+
+async def _open() -> None:
+    return None
+
+
+def _context(policy: InstantPolicy) -> RolloutContext:
+    return RolloutContext(
+        policy, sampling=SamplingParams(), pin=True, wait_unpaused=_open, deadline=1e18, task_id="b"
+    )
+
+
+async def _times(fn: Callable[[], Awaitable[object]], n: int) -> list[float]:
+    for _ in range(min(50, n)):  # warm up connections and caches
+        await fn()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return round(statistics.quantiles(xs, n=100)[int(q) - 1], 3)
+
+
+async def latency(calls: int) -> dict[str, float]:
+    """p50/p99 per call: direct, raw HTTP and the openai client, one call at a time."""
+    policy = InstantPolicy()
+    direct_ctx = _context(policy)
+    messages = CHAT["messages"]
+    direct = await _times(lambda: direct_ctx.chat_turn(messages), calls)  # type: ignore[arg-type]
+    gateway = Gateway(policy)
+    await gateway.start()
+    try:
+        session = gateway.session(_context(policy))
+        url = gateway.session_url(session.id)
+        async with httpx.AsyncClient() as http:
+            raw = await _times(lambda: http.post(f"{url}/chat/completions", json=CHAT), calls)
+        async with AsyncOpenAI(base_url=url, api_key="-") as client:
+            sdk = await _times(
+                lambda: client.chat.completions.create(model="policy", messages=messages),  # type: ignore[arg-type]
+                calls,
+            )
+        gateway.sessions.close(session.id)
+    finally:
+        await gateway.stop()
+    out = {}
+    for name, xs in (("direct", direct), ("httpx", raw), ("openai", sdk)):
+        out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = _pct(xs, 50), _pct(xs, 99)
+    out["added_p50_ms"] = round(out["openai_p50_ms"] - out["direct_p50_ms"], 3)
+    out["added_p99_ms"] = round(out["openai_p99_ms"] - out["direct_p99_ms"], 3)
+    return out
+
+
+async def serve_forever() -> None:
+    """The child process: a standalone gateway on the instant policy; prints its URL."""
+    gateway = Gateway(InstantPolicy(), open_sessions=True, max_sessions=20_000)
+    await gateway.start()
+    print(gateway.url, flush=True)
+    await asyncio.Event().wait()
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Connection:
+    """A minimal keep-alive HTTP/1.1 client: the load generator must cost less than the server."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, url: str) -> _Connection:
+        host, port = url.split("//")[1].split("/")[0].split(":")
+        return cls(*await asyncio.open_connection(host, int(port)))
+
+    async def post(self, path: str, body: bytes) -> int:
+        head = f"POST {path} HTTP/1.1\r\nHost: b\r\nContent-Type: application/json\r\n"
+        self.writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        lines = (await self.reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
+        length = next(int(h.split(":")[1]) for h in lines if h.lower().startswith("content-length"))
+        await self.reader.readexactly(length)
+        return int(lines[0].split()[1])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def throughput(
+    url: str, pid: int, seconds: float, concurrency: int = 256
+) -> dict[str, float]:
+    """Chat calls per second over `seconds`, `concurrency` sessions calling in a loop, and the
+    server's CPU time per call (which does not depend on what else the machine runs)."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        sessions = [
+            (await http.post(f"{url}/sessions", json={})).json() for _ in range(concurrency)
+        ]
+    conns = [await _Connection.open(url) for _ in sessions]
+    paths = [s["base_url"].split("/", 3)[3] for s in sessions]
+    body = json.dumps(CHAT).encode()
+    done = 0
+    stop_at = 0.0
+
+    async def loop(conn: _Connection, path: str) -> None:
+        nonlocal done
+        while time.perf_counter() < stop_at:
+            if await conn.post(f"/{path}/chat/completions", body) != 200:
+                raise RuntimeError("a chat call failed")
+            done += 1
+
+    stop_at = time.perf_counter() + 2.0  # warm-up
+    await asyncio.gather(*(loop(c, p) for c, p in zip(conns, paths, strict=True)))
+    done, cpu0, t0 = 0, _cpu_s(pid), time.perf_counter()
+    stop_at = t0 + seconds
+    await asyncio.gather(*(loop(c, p) for c, p in zip(conns, paths, strict=True)))
+    elapsed, cpu = time.perf_counter() - t0, _cpu_s(pid) - cpu0
+    for conn in conns:
+        conn.close()
+    async with httpx.AsyncClient(timeout=60) as http:
+        for s in sessions:
+            await http.delete(f"{url}/sessions/{s['id']}")
+    return {
+        "rps_256_sessions": round(done / elapsed, 1),
+        "server_cpu_ms_per_call": round(1e3 * cpu / max(done, 1), 3),
+    }
+
+
+async def memory(url: str, pid: int, sessions: int, concurrency: int = 32) -> dict[str, object]:
+    """Server RSS after each 1,000 sessions opened, called once and closed."""
+    rss = [_rss_mb(pid)]
+    async with httpx.AsyncClient(timeout=60) as http:
+
+        async def one() -> None:
+            s = (await http.post(f"{url}/sessions", json={})).json()
+            (await http.post(f"{s['base_url']}/chat/completions", json=CHAT)).raise_for_status()
+            (await http.delete(f"{url}/sessions/{s['id']}")).raise_for_status()
+
+        for start in range(0, sessions, 1000):
+            for batch in range(start, min(start + 1000, sessions), concurrency):
+                await asyncio.gather(*(one() for _ in range(min(concurrency, sessions - batch))))
+            rss.append(_rss_mb(pid))
+        left = (await http.get(f"{url}/health")).json()["sessions"]
+    return {"rss_mb": rss, "open_sessions_after": left}
+
+
+async def main(args: argparse.Namespace) -> dict[str, object]:
+    out: dict[str, object] = dict(await latency(args.calls))
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        url = child.stdout.readline().strip()
+        out.update(await throughput(url, child.pid, args.seconds))
+        out.update(await memory(url, child.pid, args.sessions))
+    finally:
+        child.terminate()
+        child.wait(10)
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--sessions", type=int, default=10_000)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        asyncio.run(serve_forever())
+    else:
+        print(json.dumps(asyncio.run(main(args))))

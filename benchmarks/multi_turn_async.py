@@ -1,0 +1,96 @@
+"""Async vs sync on a multi-turn task whose environment takes time: wall-clock to the same reward.
+
+Guess-the-number (`examples/guess/local_async.yaml`, the `small` local model after its cached warm
+start) with every environment step taking a lognormal time (median `--latency-ms`, shape 1.0), as a
+slow tool or simulator would. The same config trains once with `mode: sync` and once with
+`mode: async` (pipeline depth 2); both run `--steps` optimizer steps. Prints one JSON line:
+- sync_s / async_s: wall-clock of each run; step_s_sync / step_s_async: seconds per step;
+- target: a reward both runs reach (unless given: 80% of the way from the first 10 steps' average
+  to the lower of the two runs' best 10-step moving averages);
+- sync_to_target_s / async_to_target_s: when each run's 10-step moving average of the trained
+  reward first reaches it; speedup_to_target: their ratio;
+- curve_sync / curve_async: [elapsed_s, reward] per step, for plotting.
+
+Usage: python benchmarks/multi_turn_async.py [--steps 150] [--latency-ms 50] [--target R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from typing import Any
+
+from rllm_async.config import load_config
+from rllm_async.trainer import UnifiedTrainer
+
+CONFIG = "examples/guess/local_async.yaml"
+WINDOW = 10
+
+
+def train(mode: str, steps: int, latency_ms: float, run_dir: str) -> list[dict[str, Any]]:
+    overrides = [
+        f"name=bench-{mode}",
+        f"run_dir={run_dir}",
+        f"mode={mode}",
+        f"train.total_steps={steps}",
+        "workflow.args.env_args.latency_s=" + str(latency_ms / 1e3),
+        "workflow.args.env_args.latency_sigma=1.0",
+        "eval.every_steps=0",
+        "eval.at_end=false",
+        "checkpoint.at_end=false",
+        "checkpoint.resume=never",
+        "logging.progress_bar=false",
+    ]
+    if mode == "async":
+        overrides += ["coordinator.pipeline_depth=2", "coordinator.max_staleness=2"]
+    else:
+        overrides += ["coordinator.pipeline_depth=0", "coordinator.max_staleness=0"]
+    return UnifiedTrainer(load_config(CONFIG, overrides)).run()
+
+
+def curve(records: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(elapsed seconds, 10-step moving average of the trained reward) per step."""
+    rewards = [r["reward/mean"] for r in records]
+    out = []
+    for i, r in enumerate(records):
+        window = rewards[max(0, i - WINDOW + 1) : i + 1]
+        out.append((round(r["time/elapsed_s"], 2), round(sum(window) / len(window), 4)))
+    return out
+
+
+def time_to(points: list[tuple[float, float]], target: float) -> float | None:
+    return next((t for t, r in points[WINDOW - 1 :] if r >= target), None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--latency-ms", type=float, default=50.0)
+    parser.add_argument("--target", type=float, default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        curves = {m: curve(train(m, args.steps, args.latency_ms, tmp)) for m in ("sync", "async")}
+    start = sum(c[WINDOW - 1][1] for c in curves.values()) / 2
+    best = min(max(r for _, r in c[WINDOW - 1 :]) for c in curves.values())
+    target = args.target if args.target is not None else round(start + 0.8 * (best - start), 4)
+    t_sync, t_async = time_to(curves["sync"], target), time_to(curves["async"], target)
+    out = {
+        "steps": args.steps,
+        "latency_median_ms": args.latency_ms,
+        "sync_s": curves["sync"][-1][0],
+        "async_s": curves["async"][-1][0],
+        "step_s_sync": round(curves["sync"][-1][0] / args.steps, 3),
+        "step_s_async": round(curves["async"][-1][0] / args.steps, 3),
+        "target": target,
+        "sync_to_target_s": t_sync,
+        "async_to_target_s": t_async,
+        "speedup_to_target": round(t_sync / t_async, 2) if t_sync and t_async else None,
+        "curve_sync": curves["sync"],
+        "curve_async": curves["async"],
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""OpenAI-style JSON errors: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error the client is told about; `status` is the HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, param=self.param, code=self.code)
+
+
+def error_response(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """The JSON body the official clients parse into their `APIError` classes."""
+    body: dict[str, Any] = {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+    return JSONResponse(body, status_code=status)
+
+
+def invalid(e: ValidationError) -> APIError:
+    """A 400 naming the first invalid parameter of a request body."""
+    first = e.errors(include_url=False)[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    message = first["msg"]
+    if first["type"] == "extra_forbidden":
+        message = "unrecognized request argument (this server does not support it)"
+    return APIError(
+        400, f"{param}: {message}" if param else message, param=param, code="invalid_parameter"
+    )

@@ -1,0 +1,84 @@
+"""The gateway's OpenAPI 3.1 document, built from the request models (served at `/openapi.json`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from pydantic import BaseModel
+
+from rllm_async.gateway.protocol import ChatCompletionRequest, CompletionRequest, OpenSessionRequest
+
+_REF = "#/components/schemas/{model}"
+_ERROR = {"$ref": "#/components/schemas/Error"}
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _operation(summary: str, body: type[BaseModel] | None = None) -> dict[str, Any]:
+    op: dict[str, Any] = {
+        "summary": summary,
+        "responses": {
+            "200": {"description": "OK", "content": {"application/json": {}}},
+            "default": {
+                "description": "an error",
+                "content": {"application/json": {"schema": _ERROR}},
+            },
+        },
+    }
+    if body is not None:
+        op["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": _REF.format(model=body.__name__)}}},
+        }
+    return op
+
+
+_SESSION = {"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    """Paths, request schemas and the error schema of every route."""
+    schemas: dict[str, Any] = {"Error": _ERROR_SCHEMA}
+    for model in (ChatCompletionRequest, CompletionRequest, OpenSessionRequest):
+        schema = model.model_json_schema(ref_template=_REF)
+        schemas.update(schema.pop("$defs", {}))
+        schemas[model.__name__] = schema
+    v1 = {
+        "/v1/models": {"get": _operation("the served model")},
+        "/v1/chat/completions": {"post": _operation("a chat completion", ChatCompletionRequest)},
+        "/v1/completions": {"post": _operation("a text completion", CompletionRequest)},
+    }
+    paths: dict[str, Any] = {
+        "/health": {"get": _operation("liveness and open sessions")},
+        "/sessions": {"post": _operation("open a session (standalone serve)", OpenSessionRequest)},
+        "/sessions/{sid}": {
+            "parameters": [_SESSION],
+            "get": _operation("the session's recorded calls"),
+            "delete": _operation("close a session (standalone serve)"),
+        },
+        **v1,
+    }
+    for path, item in v1.items():
+        paths["/sessions/{sid}" + path] = {"parameters": [_SESSION], **item}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "rllm-async gateway", "version": "1"},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }

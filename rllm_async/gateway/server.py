@@ -1,0 +1,182 @@
+"""`Gateway`: an OpenAI-compatible HTTP server over a `PolicyClient`, run inside the caller's loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+from starlette.requests import Request
+
+from rllm_async.backends.base import PolicyClient, SamplingParams
+from rllm_async.gateway.app import build_app
+from rllm_async.gateway.sessions import Session, SessionStore
+from rllm_async.workflows.base import RolloutContext
+
+log = logging.getLogger("rllm_async.gateway")
+
+
+async def _never_paused() -> None:
+    return None
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handlers: inside a trainer, Ctrl-C belongs to the trainer."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Gateway:
+    """Serves `policy` at `/v1/...` and per-session at `/sessions/{id}/v1/...`.
+
+    A session records every call (exact prompt and completion tokens, logprobs, versions) as Steps
+    of its `RolloutContext`; `sessions.close(id)` forgets it. With `open_sessions` (standalone
+    `serve`) clients open and delete sessions over HTTP, and sessions expire after `session_ttl_s`.
+    """
+
+    def __init__(
+        self,
+        policy: PolicyClient,
+        *,
+        model: str = "policy",
+        api_key: str | None = None,
+        sampling: SamplingParams | None = None,
+        open_sessions: bool = False,
+        session_ttl_s: float = 3600.0,
+        max_sessions: int = 10_000,
+        max_calls_per_session: int = 1_000,
+        max_body_bytes: int = 4 * 2**20,
+        export_path: Path | None = None,
+    ) -> None:
+        self.policy = policy
+        self.model = model
+        self.api_key = api_key
+        self.sampling = sampling or SamplingParams()
+        self.open_sessions = open_sessions
+        self.session_ttl_s = session_ttl_s
+        self.max_body_bytes = max_body_bytes
+        self.sessions = SessionStore(
+            max_sessions=max_sessions, max_calls=max_calls_per_session, export_path=export_path
+        )
+        self.created = int(time.time())
+        self.app = build_app(self)
+        self.url = ""
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    def session(self, ctx: RolloutContext) -> Session:
+        """A session recording into a rollout's `ctx`, sampling with its temperature and top_p."""
+        return self.sessions.open(ctx, locked=True)
+
+    def open_session(self, ttl_s: float | None = None) -> Session:
+        """A standalone session with its own context, closed after `ttl_s` (default the TTL)."""
+        loop = asyncio.get_running_loop()
+        ctx = RolloutContext(
+            self.policy,
+            sampling=self.sampling,
+            pin=False,
+            wait_unpaused=_never_paused,
+            deadline=loop.time() + (ttl_s or self.session_ttl_s),
+            task_id="serve",
+        )
+        return self.sessions.open(ctx, locked=False)
+
+    def scratch_context(self) -> RolloutContext:
+        """A context for one call outside any session; what it records is dropped."""
+        return RolloutContext(
+            self.policy,
+            sampling=self.sampling,
+            pin=False,
+            wait_unpaused=_never_paused,
+            deadline=float("inf"),
+            task_id="",
+        )
+
+    def session_url(self, session_id: str, request: Request | None = None) -> str:
+        """The OpenAI `base_url` of a session."""
+        root = str(request.base_url).rstrip("/") if request is not None else self.url
+        return f"{root}/sessions/{session_id}/v1"
+
+    # -- serving --------------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, embedded: bool = True) -> None:
+        """Listen on `host:port` (0: a free port) in this event loop; returns once accepting.
+
+        `embedded` leaves signal handling to the caller (a trainer); otherwise SIGINT/SIGTERM stop
+        the server gracefully (`serve`).
+        """
+        if not _is_loopback(host) and self.api_key is None:
+            log.warning(
+                "gateway: listening on %s without an API key; anyone who reaches it can use it",
+                host,
+            )
+        sock = _bind(host, port)
+        config = uvicorn.Config(
+            self.app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        server_cls = _EmbeddedServer if embedded else uvicorn.Server
+        self._server = server = server_cls(config)
+        self._task = asyncio.create_task(server.serve(sockets=[sock]), name="rllm-async:gateway")
+        while not server.started:
+            if self._task.done():
+                self._task.result()  # raises why it stopped
+                raise RuntimeError("the gateway stopped while starting")
+            await asyncio.sleep(0.01)
+        bound_host, bound_port = sock.getsockname()[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        self.url = f"http://{shown}:{bound_port}"
+
+    async def wait(self) -> None:
+        """Until the server stops (a signal, in standalone mode)."""
+        if self._task is not None:
+            await self._task
+
+    async def stop(self) -> None:
+        """Close every session and stop listening; idempotent."""
+        self.sessions.close_all()
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._server = self._task = None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket; binding here makes a port in use an OSError, not uvicorn's exit."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted sockets only when the listening
+    # socket says so, and without it every response waits for a delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,87 @@
+"""EnvWorkflow: the model acts in an `Env` (reset/step, sync or async) for up to `max_turns` turns."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from rllm_async.types import Episode, Termination
+from rllm_async.workflows.base import ContextLengthError, RolloutContext, Workflow
+from rllm_async.workflows.multi_turn import conversation_deadline, load, maybe_await
+
+StepResult = tuple[str, float, bool]
+
+
+class Env(Protocol):
+    """An environment for one rollout: text observations in, the model's reply text as the action.
+
+    Either method may be async. An env may also have `is_correct` (read when the episode ends) and
+    `close()` (called when it ends, however it ends).
+    """
+
+    def reset(self, task: dict[str, Any]) -> str | Awaitable[str]: ...
+
+    def step(self, action: str) -> StepResult | Awaitable[StepResult]: ...
+
+
+class EnvWorkflow(Workflow):
+    """Show the env's observation, take the model's reply as the action, and repeat until the env
+    says done or `max_turns` actions were taken.
+
+    `env` is a factory (a class or function, or its import path) called with `env_args` for each
+    rollout. Each step's reward is that model call's step reward (`ctx.set_step_reward`), so the
+    trajectory's reward is their sum. Observations after the first are `observation_role` turns.
+    """
+
+    def __init__(
+        self,
+        env: str | Callable[..., Env],
+        env_args: dict[str, Any] | None = None,
+        max_turns: int = 8,
+        system_prompt: str | None = None,
+        observation_role: str = "user",
+        deadline_grace_s: float = 1.0,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError("max_turns must be at least 1")
+        self.make_env: Callable[..., Env] = load(env, "workflow.args.env")
+        self.env_args = dict(env_args or {})
+        self.max_turns = max_turns
+        self.system_prompt = system_prompt
+        self.observation_role = observation_role
+        self.deadline_grace_s = deadline_grace_s
+
+    async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
+        env = self.make_env(**self.env_args)
+        termination = Termination.MAX_TURNS
+        try:
+            observation = await maybe_await(env.reset(task))
+            messages: list[dict[str, Any]] = [{"role": "user", "content": observation}]
+            if self.system_prompt:
+                messages.insert(0, {"role": "system", "content": self.system_prompt})
+            try:
+                async with asyncio.timeout_at(conversation_deadline(ctx, self.deadline_grace_s)):
+                    for _ in range(self.max_turns):
+                        reply = await ctx.chat(messages)
+                        observation, reward, done = await maybe_await(env.step(reply["content"]))
+                        ctx.set_step_reward(reward)
+                        if done:
+                            termination = Termination.DONE
+                            break
+                        messages.append(reply)
+                        messages.append({"role": self.observation_role, "content": observation})
+            except TimeoutError:
+                termination = Termination.TIMEOUT
+            except ContextLengthError:
+                termination = Termination.TRUNCATED
+            correct = getattr(env, "is_correct", None)
+        finally:
+            close = getattr(env, "close", None)
+            if close is not None:
+                await maybe_await(close())
+        episode = ctx.build_episode(None)
+        episode.is_correct = None if correct is None else bool(correct)
+        episode.termination = termination
+        episode.metrics["turns"] = float(len(ctx.trajectory().steps))
+        return episode

@@ -1,0 +1,173 @@
+"""MultiTurnWorkflow: chat with tools (python callables with JSON schemas) for up to `max_turns`."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from rllm_async.imports import import_object
+from rllm_async.types import Episode, Termination
+from rllm_async.workflows.base import ContextLengthError, RolloutContext, Workflow
+
+T = TypeVar("T")
+RewardFn = Callable[[dict[str, Any], list[dict[str, Any]]], "float | tuple[float, bool]"]
+
+
+async def maybe_await(value: T | Awaitable[T]) -> T:
+    """The value itself, or what it resolves to when it is awaitable (sync or async callables)."""
+    if inspect.isawaitable(value):
+        return await value
+    return value
+
+
+def load(obj: Any, what: str) -> Any:
+    """`obj`, or the object its import path names (config gives strings, code gives objects)."""
+    return import_object(obj, what) if isinstance(obj, str) else obj
+
+
+def score(fn: Callable[..., Any], *args: Any) -> tuple[float, bool | None]:
+    """A reward function's `reward` or `(reward, is_correct)` as a pair."""
+    out = fn(*args)
+    return (float(out[0]), bool(out[1])) if isinstance(out, tuple) else (float(out), None)
+
+
+def conversation_deadline(ctx: RolloutContext, grace_s: float) -> float:
+    """When a conversation stops taking turns: `grace_s` before the episode's deadline, so that it
+    is scored and trained as a TIMEOUT rather than cancelled by the trainer."""
+    return ctx.deadline - grace_s
+
+
+@dataclass
+class Tool:
+    """A python callable (sync or async) the model may call, and the JSON schema of its arguments.
+
+    `name` defaults to the function's name and `description` to its docstring's first line.
+    """
+
+    fn: Callable[..., Any]
+    parameters: dict[str, Any]
+    name: str = ""
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.fn.__name__
+        self.description = self.description or (inspect.getdoc(self.fn) or "").split("\n")[0]
+
+    @classmethod
+    def of(cls, spec: Tool | dict[str, Any]) -> Tool:
+        """A Tool from itself or from config: `{fn: "pkg.mod:func", parameters: {...}, ...}`."""
+        if isinstance(spec, Tool):
+            return spec
+        spec = dict(spec)
+        fn = load(spec.pop("fn"), "workflow.args.tools[].fn")
+        return cls(fn=fn, **spec)
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI function-tool schema the chat template shows the model."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
+
+    async def call(self, arguments: dict[str, Any], timeout_s: float) -> str:
+        """The tool's result as text; a failure or a timeout becomes an error text, never a raise."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                result = await maybe_await(self.fn(**arguments))
+        except TimeoutError:
+            return f"error: {self.name} timed out after {timeout_s:.3g}s"
+        except Exception as e:
+            return f"error: {type(e).__name__}: {e}"
+        return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+class MultiTurnWorkflow(Workflow):
+    """Ask the task's prompt, run the tools the model calls, and feed their results back, until the
+    model answers without a tool call or `max_turns` model calls were made.
+
+    Malformed tool calls are answered with a `tool` message naming the error (never raised).
+    `reward_fn(task, messages)` scores the whole conversation (the final answer is
+    `messages[-1]["content"]`) and returns a reward or `(reward, is_correct)`.
+    """
+
+    def __init__(
+        self,
+        reward_fn: str | RewardFn,
+        tools: list[Tool | dict[str, Any]] | None = None,
+        max_turns: int = 4,
+        prompt_key: str = "prompt",
+        system_prompt: str | None = None,
+        tool_timeout_s: float = 30.0,
+        deadline_grace_s: float = 1.0,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError("max_turns must be at least 1")
+        self.reward_fn: RewardFn = load(reward_fn, "workflow.args.reward_fn")
+        self.tools = {t.name: t for t in map(Tool.of, tools or [])}
+        self.schemas = [t.schema for t in self.tools.values()] or None
+        self.max_turns = max_turns
+        self.prompt_key = prompt_key
+        self.system_prompt = system_prompt
+        self.tool_timeout_s = tool_timeout_s
+        self.deadline_grace_s = deadline_grace_s
+
+    async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
+        if self.prompt_key not in task:
+            raise KeyError(
+                f"task {task.get('id')!r} has no '{self.prompt_key}' field; set "
+                "workflow.args.prompt_key to the field that holds the prompt"
+            )
+        messages: list[dict[str, Any]] = [{"role": "user", "content": str(task[self.prompt_key])}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        stats = {"turns": 0.0, "tool_calls": 0.0, "tool_errors": 0.0}
+        termination = Termination.MAX_TURNS
+        try:
+            async with asyncio.timeout_at(conversation_deadline(ctx, self.deadline_grace_s)):
+                termination = await self._converse(messages, ctx, stats)
+        except TimeoutError:
+            termination = Termination.TIMEOUT
+        except ContextLengthError:
+            termination = Termination.TRUNCATED
+        reward, correct = score(self.reward_fn, task, messages)
+        ctx.set_reward(reward)
+        episode = ctx.build_episode(None)
+        episode.is_correct = correct
+        episode.termination = termination
+        episode.metrics.update(stats)
+        return episode
+
+    async def _converse(
+        self, messages: list[dict[str, Any]], ctx: RolloutContext, stats: dict[str, float]
+    ) -> Termination:
+        for _ in range(self.max_turns):
+            turn = await ctx.chat_turn(messages, tools=self.schemas)
+            stats["turns"] += 1
+            messages.append(turn.message)
+            calls = turn.message.get("tool_calls", [])
+            if not calls and not turn.tool_call_errors:
+                return Termination.DONE
+            stats["tool_calls"] += len(calls)
+            stats["tool_errors"] += len(turn.tool_call_errors)
+            time_left = max(0.0, ctx.time_left - self.deadline_grace_s)
+            timeout = min(self.tool_timeout_s, time_left)
+            results = await asyncio.gather(*(self._run_call(c, timeout) for c in calls))
+            messages.extend(results)
+            messages.extend(
+                {"role": "tool", "content": f"error: {e}"} for e in turn.tool_call_errors
+            )
+        return Termination.MAX_TURNS
+
+    async def _run_call(self, call: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        fn = call["function"]
+        content = await self.tools[fn["name"]].call(json.loads(fn["arguments"]), timeout_s)
+        return {"role": "tool", "tool_call_id": call["id"], "content": content}

@@ -1,0 +1,105 @@
+"""OpenAIAgentWorkflow: train any agent that speaks the OpenAI API, through the gateway.
+
+The workflow starts a `Gateway` on 127.0.0.1 in the trainer's event loop (once, on the first
+rollout), opens one session per rollout and calls `agent(base_url, api_key, task)` with that
+session's base URL. The gateway records every call server-side as a Step of the rollout, so the
+trajectory is rebuilt from its records: the agent never reports tokens. The session is closed (its
+in-flight calls cancelled, its records freed) before the episode goes to the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from rllm_async.backends.base import PolicyClient
+from rllm_async.types import Episode
+from rllm_async.workflows.base import RolloutContext, Workflow
+from rllm_async.workflows.multi_turn import load, score
+
+if TYPE_CHECKING:
+    from rllm_async.gateway import Gateway
+
+AgentFn = Callable[[str, str, dict[str, Any]], Awaitable[Any]]
+
+
+class OpenAIAgentWorkflow(Workflow):
+    """Run `agent(base_url, api_key, task)` (an async function using e.g. `openai.AsyncOpenAI`)
+    against a recording session of the gateway.
+
+    The agent returns its reward (a float, or `(reward, is_correct)`), or anything that
+    `reward_fn(task, result)` scores. The model is named `model` (default "policy"); leave
+    temperature and top_p unset in the agent, the session samples with the rollout's.
+    """
+
+    def __init__(
+        self,
+        agent: str | AgentFn,
+        reward_fn: str | Callable[[dict[str, Any], Any], Any] | None = None,
+        model: str = "policy",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        max_calls_per_session: int = 1_000,
+    ) -> None:
+        self.agent: AgentFn = load(agent, "workflow.args.agent")
+        self.reward_fn = load(reward_fn, "workflow.args.reward_fn") if reward_fn else None
+        self.model = model
+        self.host = host
+        self.port = port
+        # A key per run by default, so that nothing else on the machine can use the trainer's policy.
+        self.api_key = api_key or secrets.token_urlsafe(24)
+        self.max_calls_per_session = max_calls_per_session
+        self.gateway: Gateway | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._starting: asyncio.Lock | None = None
+
+    async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
+        gateway = await self._gateway(ctx.policy)
+        session = gateway.session(ctx)
+        try:
+            result = await self.agent(gateway.session_url(session.id), self.api_key, task)
+        finally:
+            gateway.sessions.close(session.id)
+        if self.reward_fn is not None:
+            reward, correct = score(self.reward_fn, task, result)
+        elif isinstance(result, (int, float, tuple)):
+            reward, correct = score(lambda: result)
+        else:
+            raise TypeError(
+                f"the agent returned {type(result).__name__}: return a reward (or (reward, "
+                "is_correct)), or give workflow.args.reward_fn to score what it returns"
+            )
+        ctx.set_reward(reward)
+        episode = ctx.build_episode(None)
+        episode.is_correct = correct
+        episode.metrics["calls"] = float(session.calls)
+        return episode
+
+    async def _gateway(self, policy: PolicyClient) -> Gateway:
+        """The gateway of this event loop, started on first use."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # a new run (a new loop): the old server died with its loop
+            self.gateway, self._loop, self._starting = None, loop, asyncio.Lock()
+        assert self._starting is not None
+        async with self._starting:
+            if self.gateway is None:
+                from rllm_async.gateway import Gateway
+
+                gateway = Gateway(
+                    policy,
+                    model=self.model,
+                    api_key=self.api_key,
+                    max_calls_per_session=self.max_calls_per_session,
+                )
+                await gateway.start(self.host, self.port)
+                self.gateway = gateway
+            return self.gateway
+
+    async def close(self) -> None:
+        """Stop the gateway (the trainer calls this when training ends)."""
+        if self.gateway is not None and self._loop is asyncio.get_running_loop():
+            await self.gateway.stop()
+        self.gateway = None
