@@ -11,8 +11,10 @@ Prints one JSON line:
   concurrent sessions, each a client loop in this process on its own keep-alive connection;
   server_cpu_ms_per_call: the gateway process's CPU time per call meanwhile (a figure that does
   not depend on what else shares the machine);
-- rss_mb: the gateway process's resident memory after every 1,000 of 10,000 sessions, each
-  opened, called once and closed; open_sessions_after: sessions left open at the end.
+- alloc_blocks_per_1000_sessions: live Python memory blocks of a process running the gateway after
+  each 1,000 of 10,000 sessions, each opened, called once and closed (flat: nothing accumulates);
+  rss_mb_first_last: its resident memory before and after; open_sessions_after: sessions left open; alloc_blocks_2048_left_open and
+  blocks_per_open_session: the control, 2,048 more sessions called once and left open.
 
 Usage: python benchmarks/gateway_overhead.py [--calls 1000] [--seconds 10] [--sessions 10000]
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -96,7 +99,7 @@ async def latency(calls: int) -> dict[str, float]:
     direct_ctx = _context(policy)
     messages = CHAT["messages"]
     direct = await _times(lambda: direct_ctx.chat_turn(messages), calls)  # type: ignore[arg-type]
-    gateway = Gateway(policy)
+    gateway = Gateway(policy, max_calls_per_session=10**6)
     await gateway.start()
     try:
         session = gateway.session(_context(policy))
@@ -121,7 +124,7 @@ async def latency(calls: int) -> dict[str, float]:
 
 async def serve_forever() -> None:
     """The child process: a standalone gateway on the instant policy; prints its URL."""
-    gateway = Gateway(InstantPolicy(), open_sessions=True, max_sessions=20_000)
+    gateway = Gateway(InstantPolicy(), open_sessions=True, max_calls_per_session=10**6)
     await gateway.start()
     print(gateway.url, flush=True)
     await asyncio.Event().wait()
@@ -202,22 +205,48 @@ async def throughput(
     }
 
 
-async def memory(url: str, pid: int, sessions: int, concurrency: int = 32) -> dict[str, object]:
-    """Server RSS after each 1,000 sessions opened, called once and closed."""
-    rss = [_rss_mb(pid)]
-    async with httpx.AsyncClient(timeout=60) as http:
+async def memory(sessions: int, concurrency: int = 32) -> dict[str, object]:
+    """Live Python memory blocks (`sys.getallocatedblocks`, after a GC) of a process running an
+    in-process gateway, after each 1,000 sessions opened, called once and closed; then the same
+    with 2,048 sessions left open, as a control that the measure sees a leak."""
+    gateway = Gateway(InstantPolicy(), open_sessions=True)
+    await gateway.start()
 
-        async def one() -> None:
-            s = (await http.post(f"{url}/sessions", json={})).json()
-            (await http.post(f"{s['base_url']}/chat/completions", json=CHAT)).raise_for_status()
-            (await http.delete(f"{url}/sessions/{s['id']}")).raise_for_status()
+    def blocks() -> int:
+        gc.collect()
+        return sys.getallocatedblocks()
 
-        for start in range(0, sessions, 1000):
-            for batch in range(start, min(start + 1000, sessions), concurrency):
-                await asyncio.gather(*(one() for _ in range(min(concurrency, sessions - batch))))
-            rss.append(_rss_mb(pid))
-        left = (await http.get(f"{url}/health")).json()["sessions"]
-    return {"rss_mb": rss, "open_sessions_after": left}
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+
+            async def one(close: bool) -> None:
+                s = (await http.post("/sessions", json={})).json()
+                (await http.post(f"{s['base_url']}/chat/completions", json=CHAT)).raise_for_status()
+                if close:
+                    (await http.delete(f"/sessions/{s['id']}")).raise_for_status()
+
+            async def run(n: int, close: bool) -> None:
+                for start in range(0, n, concurrency):
+                    await asyncio.gather(*(one(close) for _ in range(min(concurrency, n - start))))
+
+            await run(1000, close=True)  # warm-up: connections, caches, lazy imports
+            series, rss = [blocks()], [_rss_mb(os.getpid())]
+            for _ in range(0, sessions, 1000):
+                await run(1000, close=True)
+                series.append(blocks())
+            rss.append(_rss_mb(os.getpid()))
+            left = len(gateway.sessions)
+            await run(2048, close=False)
+            leaked = blocks()
+    finally:
+        await gateway.stop()
+    return {
+        "alloc_blocks_per_1000_sessions": series,
+        "rss_mb_first_last": rss,
+        "open_sessions_after": left,
+        "alloc_blocks_2048_left_open": leaked,
+        "blocks_per_open_session": round((leaked - series[-1]) / 2048, 1),
+    }
 
 
 async def main(args: argparse.Namespace) -> dict[str, object]:
@@ -229,10 +258,10 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         assert child.stdout is not None
         url = child.stdout.readline().strip()
         out.update(await throughput(url, child.pid, args.seconds))
-        out.update(await memory(url, child.pid, args.sessions))
     finally:
         child.terminate()
         child.wait(10)
+    out.update(await memory(args.sessions))
     return out
 
 

@@ -4,19 +4,35 @@ from rllm_async.callbacks import Callback
 from rllm_async.config import Config, ConfigError, load_config
 from rllm_async.trainer import FailureRateError, NoSignalError, UnifiedTrainer
 from rllm_async.types import Episode, Step, Termination, Trajectory, TrajectoryGroup
-from rllm_async.workflows import RolloutContext, SingleTurnWorkflow, Workflow
+from rllm_async.workflows import (
+    ChatTurn,
+    Env,
+    EnvWorkflow,
+    MultiTurnWorkflow,
+    OpenAIAgentWorkflow,
+    RolloutContext,
+    SingleTurnWorkflow,
+    Tool,
+    Workflow,
+)
 
 __all__ = [
     "Callback",
+    "ChatTurn",
     "Config",
     "ConfigError",
+    "Env",
+    "EnvWorkflow",
     "Episode",
     "FailureRateError",
+    "MultiTurnWorkflow",
     "NoSignalError",
+    "OpenAIAgentWorkflow",
     "RolloutContext",
     "SingleTurnWorkflow",
     "Step",
     "Termination",
+    "Tool",
     "Trajectory",
     "TrajectoryGroup",
     "UnifiedTrainer",

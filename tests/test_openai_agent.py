@@ -17,7 +17,8 @@ openai = pytest.importorskip("openai")
 
 
 async def agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
-    """Two turns of chat; a garbage request and a call on an unknown session in between."""
+    """Two turns of chat; in between, a garbage body, a call on an unknown session and a prompt
+    over the context, each answered with its error while training goes on."""
     async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
         messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
         first = await client.chat.completions.create(model="policy", messages=messages)
@@ -27,6 +28,10 @@ async def agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
             root = base_url.split("/sessions/")[0]
             gone = await http.post(f"{root}/sessions/nope/v1/chat/completions", json={})
             assert gone.status_code == 404
+        with pytest.raises(openai.BadRequestError, match="context"):
+            await client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "x" * 100}]
+            )
         messages += [first.choices[0].message.model_dump(exclude_none=True)]
         messages += [{"role": "user", "content": "again"}]
         second = await client.chat.completions.create(model="policy", messages=messages)
@@ -80,6 +85,6 @@ def test_training_through_the_gateway_rebuilds_trajectories_from_its_records(tmp
             first.prompt_ids + first.completion_ids
         )
         assert all(len(s.logprobs) == len(s.versions) == len(s.completion_ids) for s in traj.steps)
-        assert episode.metrics["calls"] == 2
+        assert episode.metrics["calls"] == 3  # the oversized one counts, and recorded nothing
     assert 1 <= workflow.most_open <= 8  # sessions are freed as their episodes end
     assert workflow.gateway is None  # stopped when training ended

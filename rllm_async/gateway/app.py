@@ -25,7 +25,7 @@ from rllm_async.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenSessionRequest,
-    _Sampling,
+    SamplingFields,
 )
 from rllm_async.gateway.sessions import Session
 from rllm_async.workflows.base import ChatTemplateError, ChatTurn, ContextLengthError
@@ -142,7 +142,7 @@ class _API:
                 code="model_not_found",
             )
 
-    def _sampling(self, req: _Sampling, session: Session | None, index: int) -> dict[str, Any]:
+    def _sampling(self, req: SamplingFields, session: Session | None, index: int) -> dict[str, Any]:
         """Sampling overrides for one choice; a locked session keeps its temperature and top_p."""
         out: dict[str, Any] = {}
         if session is not None and session.locked:

@@ -74,7 +74,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(_Strict):
+class SamplingFields(_Strict):
     """What chat and text completions share."""
 
     model: str
@@ -94,7 +94,7 @@ class _Sampling(_Strict):
     service_tier: str | None = None
 
     @model_validator(mode="after")
-    def _supported(self) -> _Sampling:
+    def _supported(self) -> SamplingFields:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOP or any(not s for s in stops):
             raise ValueError(f"stop: at most {MAX_STOP} non-empty strings")
@@ -108,7 +108,7 @@ class _Sampling(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -138,7 +138,7 @@ class ChatCompletionRequest(_Sampling):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     """`POST /v1/completions`: a text prompt, or one prompt of token ids."""
 
     prompt: str | list[int] = Field(min_length=1)

@@ -1,6 +1,6 @@
 """Calculator: multiply two numbers with the help of a `calc` tool, in at most a few turns.
 
-The same agent three ways: `MultiTurnWorkflow` configured with `calc_tool()` (YAML only), the
+The same agent three ways (configs in examples/calculator/): `MultiTurnWorkflow` with `calc`, the
 hand-written workflow class `CalculatorAgent`, and `openai_agent`, a plain `openai`-client loop
 trained through the gateway with `OpenAIAgentWorkflow`. The warm start mixes transcripts that use
 the tool with ones that guess the product, so RL has a choice to learn: call the tool.
