@@ -179,7 +179,7 @@ def test_continuation_with_a_real_hugging_face_chat_template(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    from rllm_async.backends.local.hf import HFTokenizer
+    from rllm_async.backends.hf_tokenizer import load_tokenizer
 
     chars = ["<unk>", "<|im_start|>", "<|im_end|>", *[chr(c) for c in range(33, 127)]]
     tk = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<unk>"))
@@ -197,7 +197,7 @@ def test_continuation_with_a_real_hugging_face_chat_template(tmp_path) -> None:
         "{% if add_generation_prompt %}<|im_start|>assistant:{% endif %}"
     )
     fast.save_pretrained(str(tmp_path))
-    tok = HFTokenizer(tmp_path)
+    tok = load_tokenizer(tmp_path, setting="backend.model_path", require_chat_template=True)
     history = ChatHistory()
     chat = [{"role": "user", "content": "hi"}]
     prompt, _ = history.prompt(tok, chat, None)

@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from rllm_async.backends.base import SamplingParams  # noqa: E402
+from rllm_async.backends.hf_tokenizer import load_tokenizer  # noqa: E402
 from rllm_async.backends.local import LocalBackend  # noqa: E402
 from rllm_async.backends.local.hf import load_checkpoint  # noqa: E402
 from rllm_async.backends.local.model import load_model  # noqa: E402
@@ -24,8 +25,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tokenizer(path: Path) -> int:
-    """A character-level fast tokenizer with a chat template, built offline."""
+def save_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE) -> int:
+    """A character-level fast tokenizer (with a chat template unless None), built offline."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     chars = ["<unk>", "<|im_start|>", "<|im_end|>", *[chr(c) for c in range(32, 127)]]
@@ -36,7 +37,7 @@ def save_tokenizer(path: Path) -> int:
         tokenizer_object=tk, unk_token="<unk>", eos_token="<|im_end|>"
     )
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     tok.save_pretrained(str(path))
     return len(chars)
 
@@ -92,3 +93,24 @@ def test_backend_samples_with_the_checkpoint_chat_template(tmp_path: Path) -> No
     too_long = {**options, "max_seq_len": 512}
     with pytest.raises(ConfigError, match="max_seq_len"):
         LocalBackend.from_config(config_from_dict({"backend": too_long}))
+
+
+def test_tokenizer_loads_offline_and_refuses_what_a_backend_cannot_use(tmp_path: Path) -> None:
+    vocab = save_tokenizer(tmp_path / "chat")
+    tok = load_tokenizer(tmp_path / "chat", setting="backend.tokenizer")
+    assert (tok.eos_token, tok.eos_token_id, tok.vocab_size) == ("<|im_end|>", 2, vocab)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools)
+    assert tok.decode(ids) == "user:hiassistant:"  # special tokens are skipped
+    no_prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=False
+    )
+    assert tok.decode(no_prompt) == "user:hi"
+
+    save_tokenizer(tmp_path / "base", chat_template=None)
+    assert load_tokenizer(tmp_path / "base", setting="backend.tokenizer").encode("ab") == [68, 69]
+    with pytest.raises(ConfigError, match=r"no chat template: set backend\.model_path"):
+        load_tokenizer(tmp_path / "base", setting="backend.model_path", require_chat_template=True)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"backend\.model_path must be a directory holding"):
+        load_tokenizer(tmp_path / "empty", setting="backend.model_path")

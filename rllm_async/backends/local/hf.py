@@ -10,13 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rllm_async.backends.hf_tokenizer import HFTokenizer, load_tokenizer
 from rllm_async.backends.local.model import ModelConfig
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -34,50 +34,6 @@ class Checkpoint:
     sliding_window: int | None
 
 
-class HFTokenizer:
-    """A `transformers` tokenizer behind the `Tokenizer` protocol, with its own chat template."""
-
-    def __init__(self, path: Path) -> None:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as e:
-            raise ImportError(
-                "backend.model_path needs the `transformers` package: pip install transformers"
-            ) from e
-        self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        if not getattr(self._tok, "chat_template", None):
-            raise ValueError(f"the tokenizer in {path} has no chat template; use an instruct model")
-        if self._tok.eos_token_id is None:
-            raise ValueError(f"the tokenizer in {path} defines no eos token")
-        self.eos_token_id: int = int(self._tok.eos_token_id)
-
-    @property
-    def vocab_size(self) -> int:
-        """Token ids are below this (the gateway checks token-id prompts against it)."""
-        return len(self._tok)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> list[int]:
-        schemas: Any = tools  # transformers types tools as dicts or callables
-        out: Any = self._tok.apply_chat_template(
-            messages, tools=schemas, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
-        if isinstance(out, Mapping):  # newer transformers return a BatchEncoding
-            out = out["input_ids"]
-        return [int(i) for i in out]
-
-
 def load_checkpoint(path: Path) -> Checkpoint:
     """Read config, weights and tokenizer of a local checkpoint; refuse what we cannot run.
 
@@ -91,7 +47,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
         )
     raw = json.loads((path / "config.json").read_text())
     config = _model_config(raw, path)
-    tokenizer = HFTokenizer(path)
+    tokenizer = load_tokenizer(path, setting="backend.model_path", require_chat_template=True)
     stop_ids = {tokenizer.eos_token_id}
     gen_file = path / "generation_config.json"
     if gen_file.is_file():

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from rllm_async.algorithms.losses import LossStats
 from rllm_async.algorithms.schedule import learning_rate
+from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.backends.tinker import sdk
 from rllm_async.backends.tinker.data import Example, StepNormalizer, examples, loss_stats
 from rllm_async.backends.tinker.options import (
@@ -21,7 +22,6 @@ from rllm_async.backends.tinker.options import (
     loss_fn_config,
 )
 from rllm_async.backends.tinker.policy import TinkerPolicy
-from rllm_async.backends.tinker.tokenizer import load_tokenizer
 from rllm_async.config import Config, ConfigError, LossConfig
 from rllm_async.types import TrajectoryGroup
 
@@ -46,7 +46,9 @@ class TinkerBackend:
         self.opts = options
         self.base_url = base_url
         self._timeout = options.request_timeout_s
-        tokenizer = load_tokenizer(options.tokenizer or options.base_model)
+        tokenizer = load_tokenizer(
+            options.tokenizer or options.base_model, setting="backend.tokenizer"
+        )
         self._policy = TinkerPolicy(tokenizer, self._start, self._timeout, options.server_snapshots)
         self._normalizer = StepNormalizer(
             config.train.groups_per_step, options.server_loss_reduction

@@ -7,8 +7,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rllm_async.backends import base
+from rllm_async.backends.hf_tokenizer import HFTokenizer
 from rllm_async.backends.tinker import sdk
-from rllm_async.backends.tinker.tokenizer import HFTokenizer
 
 
 class TinkerPolicy:
