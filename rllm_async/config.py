@@ -122,6 +122,7 @@ class EvalConfig(_Section):
     every_steps: int = Field(default=0, ge=0)  # 0: never
     temperature: float = Field(default=0.0, ge=0.0)
     max_tokens: int | None = Field(default=None, ge=1)  # null: rollout.max_tokens
+    at_start: bool = False  # score the starting policy as step 0 (fresh runs, not timed)
     at_end: bool = True
 
 

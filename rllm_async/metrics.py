@@ -136,7 +136,7 @@ class ProgressBarSink:
             if key in record:
                 postfix[short] = f"{record[key]:.3g}"
         self._bar.set_postfix(postfix, refresh=False)
-        self._bar.update(1)
+        self._bar.update(int(record["step"]) - self._bar.n)  # a step-0 eval record moves nothing
 
     def close(self) -> None:
         self._bar.close()

@@ -103,6 +103,8 @@ class UnifiedTrainer:
                 await self._resume(*self._resume_from)
             for cb in self.callbacks:
                 cb.on_train_start(self.coordinator.version)
+            if self.config.eval.at_start and self.eval_tasks and self.coordinator.version == 0:
+                await self._evaluate_at_start()
             async with asyncio.TaskGroup() as scope:
                 generation = scope.create_task(self._generate(), name="rllm-async:generation")
                 scope.create_task(self._train(generation), name="rllm-async:training")
@@ -434,6 +436,12 @@ class UnifiedTrainer:
         self._step_episodes = self._step_tokens = 0
 
     # -- evaluation ----------------------------------------------------------------------------
+
+    async def _evaluate_at_start(self) -> None:
+        """Score the starting policy as a record of step 0, outside the timed run."""
+        self.metrics.record_many(await self.evaluate(), "last")
+        self.records.append(self.metrics.flush(0))
+        self._fit_start = self._step_start = asyncio.get_running_loop().time()
 
     async def evaluate(self) -> dict[str, float]:
         """Run every eval task once on one pinned policy version; returns `eval/*` metrics."""

@@ -64,6 +64,33 @@ def test_eval_every_n_steps_on_one_pinned_version_and_callbacks(tmp_path) -> Non
     assert backend.policy().live == {}, "the eval snapshot is released"
 
 
+def test_eval_at_start_scores_the_starting_policy_outside_the_timed_run(tmp_path) -> None:
+    def fit(at_start: bool, name: str) -> list[dict]:
+        cfg = make_config(
+            tmp_path / name,
+            train={"total_steps": 2, "groups_per_step": 2},
+            eval={"at_start": at_start, "at_end": False},
+        )
+        trainer = UnifiedTrainer(
+            cfg,
+            backend=FakeBackend(latency=lambda: 0.5, train_s=0.1),
+            workflow=ScriptedWorkflow(),
+            train_tasks=tasks(6),
+            eval_tasks=[{"id": f"e{i}"} for i in range(5)],
+        )
+        return run(trainer.fit(), virtual=True)
+
+    with_start, without = fit(True, "a"), fit(False, "b")
+    assert with_start[0]["step"] == 0 and with_start[0]["eval/policy_version"] == 0.0
+    assert with_start[0]["eval/n"] == 5.0 and "reward/mean" not in with_start[0]
+    assert [r["step"] for r in with_start[1:]] == [1, 2]
+    assert not any("eval/n" in r for r in without)
+    timed = [r["time/elapsed_s"] for r in with_start[1:]]
+    assert timed == pytest.approx([r["time/elapsed_s"] for r in without])
+    lines = (tmp_path / "a" / "runs" / "test" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["step"] == 0
+
+
 def test_sync_warmup_steps_run_on_policy_first(tmp_path) -> None:
     backend = FakeBackend(latency=lambda: 1.0, train_s=2.0)
     cfg = make_config(
