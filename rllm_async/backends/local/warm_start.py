@@ -46,7 +46,8 @@ def warm_start(
 
     `identity` names the starting model (preset or path, and init seed) for the cache key.
     """
-    key = json.dumps({"model": identity, "seed": seed, **opts.model_dump()}, sort_keys=True)
+    recipe = {"model": identity, "seed": seed, "schedule": "warmup-constant", **opts.model_dump()}
+    key = json.dumps(recipe, sort_keys=True)
     path = Path(opts.cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     if path.is_file():
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
@@ -79,14 +80,17 @@ def _tokens(tokenizer: Tokenizer, example: dict[str, Any]) -> tuple[list[int], i
 def _fit(
     model: Transformer, sequences: list[tuple[list[int], int]], opts: WarmStartOptions, seed: int
 ) -> None:
-    """Token-mean cross-entropy on the replies, AdamW with a short warmup and cosine decay."""
+    """Token-mean cross-entropy on the replies, AdamW with a short warmup and a constant rate."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=opts.lr, total_steps=opts.steps, pct_start=0.1
+    # Linear warmup, then constant: a decay to zero would end the stage just as the model starts
+    # to learn arithmetic, and RL continues from where it stops anyway.
+    warmup = max(1, opts.steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup)
     )
     model.train()
     for _ in tqdm(range(opts.steps), desc="warm start", unit="step", leave=False, disable=None):
