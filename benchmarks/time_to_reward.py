@@ -51,7 +51,7 @@ def one_run(mode: str, seed: int, steps: int, eval_every: int, tmp: str) -> dict
         "wall_s": round(wall, 1),
         "s_per_step": round(records[-1]["time/elapsed_s"] / len(steps_run), 3),
         "eval_accuracy": [
-            (int(r["step"]), round(r.get("time/elapsed_s", 0.0), 1), r["eval/accuracy"])
+            (int(r["step"]), round(r["time/elapsed_s"], 1), r["eval/accuracy"])
             for r in records
             if "eval/accuracy" in r
         ],

@@ -440,6 +440,7 @@ class UnifiedTrainer:
     async def _evaluate_at_start(self) -> None:
         """Score the starting policy as a record of step 0, outside the timed run."""
         self.metrics.record_many(await self.evaluate(), "last")
+        self.metrics.record("time/elapsed_s", 0.0, "last")  # the run's clock starts after it
         self.records.append(self.metrics.flush(0))
         self._fit_start = self._step_start = asyncio.get_running_loop().time()
 

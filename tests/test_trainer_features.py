@@ -82,7 +82,8 @@ def test_eval_at_start_scores_the_starting_policy_outside_the_timed_run(tmp_path
 
     with_start, without = fit(True, "a"), fit(False, "b")
     assert with_start[0]["step"] == 0 and with_start[0]["eval/policy_version"] == 0.0
-    assert with_start[0]["eval/n"] == 5.0 and "reward/mean" not in with_start[0]
+    assert with_start[0]["eval/n"] == 5.0 and with_start[0]["time/elapsed_s"] == 0.0
+    assert "reward/mean" not in with_start[0]
     assert [r["step"] for r in with_start[1:]] == [1, 2]
     assert not any("eval/n" in r for r in without)
     timed = [r["time/elapsed_s"] for r in with_start[1:]]
