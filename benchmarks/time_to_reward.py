@@ -64,6 +64,11 @@ def time_to(curve: list[tuple[int, float, float]], target: float) -> float | Non
     return next((t for _, t, acc in curve if acc >= target), None)
 
 
+def ratio(sync_s: float | None, async_s: float | None) -> float | None:
+    """How many times sooner async got there; None unless both did (and async after its start)."""
+    return round(sync_s / async_s, 2) if sync_s is not None and async_s else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -83,9 +88,7 @@ def main() -> None:
                 result["time_to_accuracy_s"] = times[mode]
                 out[f"{mode}_seed{seed}"] = result
             out[f"speedup_seed{seed}"] = {
-                t: round(s / a, 2) if s is not None and a else None
-                for t in args.targets
-                for s, a in [(times["sync"][t], times["async"][t])]
+                t: ratio(times["sync"][t], times["async"][t]) for t in args.targets
             }
     print(json.dumps(out))
 
