@@ -2,7 +2,8 @@
 
 `forward_backward` adds the *summed* loss of its groups to the gradients; `optim_step` divides the
 accumulated gradient by the step's total loss-token count, so the update is the token mean over the
-whole step however the groups were split into micro-batches.
+whole step however the groups were split into micro-batches. Sequences that share a prompt are
+packed into one row (`packing.py`), so a group's prompt is run once, not once per sample.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from rllm_async.algorithms.losses import LossStats, policy_loss
 from rllm_async.algorithms.schedule import learning_rate
 from rllm_async.backends.local.model import Transformer
+from rllm_async.backends.local.packing import PackedBatch, pack
 from rllm_async.config import LossConfig, OptimConfig
 from rllm_async.types import TokenSequence, TrajectoryGroup
 
@@ -121,39 +123,39 @@ class Learner:
         self._pending_calls = 0
 
     def _backward(self, rows: list[_Row], loss: LossConfig) -> LossStats:
-        inputs, targets, mask, sampler_lp, adv = self._batch(rows)
+        seqs = [r.sequence for r in rows]
+        packed = pack([s.tokens for s in seqs], [s.loss_mask.index(1) for s in seqs])
+        packed = packed.to(self._device)
+        mask, sampler_lp, adv = self._batch(rows, packed.width)
         with self._autocast():
-            logprobs = self._logprobs(self.model, inputs, targets)
+            logprobs = self._logprobs(self.model, packed, len(rows))
             ref = None
             if self.ref_model is not None and loss.kl_coef > 0:
                 with torch.no_grad():
-                    ref = self._logprobs(self.ref_model, inputs, targets)
+                    ref = self._logprobs(self.ref_model, packed, len(rows))
         out = policy_loss(logprobs, sampler_lp, adv, mask, loss, ref_logprobs=ref)
         if out.stats.tokens > 0:
             out.loss_sum.backward()
         return out.stats
 
-    def _logprobs(
-        self, model: Transformer, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> torch.Tensor:
-        logits = model(inputs).float() / self.temperature
-        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    def _logprobs(self, model: Transformer, packed: PackedBatch, n_rows: int) -> torch.Tensor:
+        """Logprobs of every predicted token, in the unpacked [rows, width] next-token layout."""
+        hidden = model.hidden(packed.inputs, packed).flatten(0, 1)[packed.index]
+        logits = model.lm_head(hidden).float() / self.temperature
+        chosen = torch.log_softmax(logits, dim=-1).gather(-1, packed.targets.unsqueeze(-1))
+        flat = chosen.new_zeros(n_rows * packed.width).index_copy(0, packed.dest, chosen[:, 0])
+        return flat.view(n_rows, packed.width)
 
-    def _batch(self, rows: list[_Row]) -> tuple[torch.Tensor, ...]:
-        """Right-padded next-token tensors: inputs, targets, mask, sampler logprobs, advantages."""
-        width = max(len(r.sequence.tokens) for r in rows) - 1
+    def _batch(self, rows: list[_Row], width: int) -> tuple[torch.Tensor, ...]:
+        """Right-padded next-token tensors: loss mask, sampler logprobs, advantages."""
         shape = (len(rows), width)
-        inputs = torch.zeros(shape, dtype=torch.long)
-        targets = torch.zeros(shape, dtype=torch.long)
         mask, sampler_lp, adv = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
         for i, row in enumerate(rows):
             seq, n = row.sequence, len(row.sequence.tokens) - 1
-            inputs[i, :n] = torch.tensor(seq.tokens[:-1])
-            targets[i, :n] = torch.tensor(seq.tokens[1:])
             mask[i, :n] = torch.tensor(seq.loss_mask[1:], dtype=torch.float32)
             sampler_lp[i, :n] = torch.tensor(seq.logprobs[1:], dtype=torch.float32)
             adv[i, :n] = row.advantage * mask[i, :n]
-        return tuple(t.to(self._device) for t in (inputs, targets, mask, sampler_lp, adv))
+        return tuple(t.to(self._device) for t in (mask, sampler_lp, adv))
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.compute_dtype == torch.float32:

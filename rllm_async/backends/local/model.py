@@ -7,12 +7,23 @@ into it by stripping the `model.` prefix (see `hf.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rllm_async.backends.local.cache import CacheView
+
+class AttentionView(Protocol):
+    """Where the tokens of a forward pass sit and what they attend to: the sampler's KV-cache
+    slots (`cache.CacheView`) or the trainer's packed rows (`packing.PackedBatch`)."""
+
+    positions: torch.Tensor  # [B, T] rotary positions
+    mask: torch.Tensor  # [B, 1, T, keys] True where attention is allowed
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -76,7 +87,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    """Causal self-attention that reads and writes a slot KV cache when given one."""
+    """Causal self-attention, or attention as an `AttentionView` lays it out when given one."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -90,7 +101,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.hdim, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView | None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: AttentionView | None
     ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.hdim)
@@ -101,9 +112,9 @@ class Attention(nn.Module):
         q, k = rotate(q, cos, sin).transpose(1, 2), rotate(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
         mask = None
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)
-            mask = cache.mask
+        if view is not None:
+            k, v = view.update(self.layer, k, v)
+            mask = view.mask
         if self.n_kv != self.n_heads:
             k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
             v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
@@ -135,9 +146,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: CacheView | None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: AttentionView | None
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, view)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -154,14 +165,14 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor, cache: CacheView | None = None) -> torch.Tensor:
-        """Logits for every position; with `cache`, tokens sit at `cache.positions` of its slots."""
-        return self.lm_head(self.hidden(tokens, cache))
+    def forward(self, tokens: torch.Tensor, view: AttentionView | None = None) -> torch.Tensor:
+        """Logits for every position; with `view`, tokens sit at `view.positions`."""
+        return self.lm_head(self.hidden(tokens, view))
 
-    def hidden(self, tokens: torch.Tensor, cache: CacheView | None = None) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, view: AttentionView | None = None) -> torch.Tensor:
         """Final normed hidden states [B, T, dim], for callers that need logits at a few positions."""
-        if cache is not None:
-            positions = cache.positions
+        if view is not None:
+            positions = view.positions
         else:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         x = self.embed_tokens(tokens)
@@ -173,7 +184,7 @@ class Transformer(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, head_dim]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for block in self.layers:
-            x = block(x, cos, sin, cache)
+            x = block(x, cos, sin, view)
         return self.norm(x)
 
     def num_params(self) -> int:

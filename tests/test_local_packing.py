@@ -1,0 +1,85 @@
+"""Shared-prompt packing gives every trained token the logprob and gradient of its own sequence."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from rllm_async.backends.local.model import build_model, preset_config
+from rllm_async.backends.local.packing import pack
+
+VOCAB = 40
+
+
+def _groups(seed: int) -> tuple[list[list[int]], list[int]]:
+    """Three prompts with four completions each (one of a single token), and a lone sequence."""
+    rng = random.Random(seed)
+    seqs, starts = [], []
+    for _ in range(3):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))]
+        for length in (1, rng.randint(2, 6), rng.randint(2, 6), rng.randint(2, 6)):
+            seqs.append(prompt + [rng.randrange(VOCAB) for _ in range(length)])
+            starts.append(len(prompt))
+    seqs.append([rng.randrange(VOCAB) for _ in range(7)])
+    starts.append(2)
+    return seqs, starts
+
+
+def _packed_logprobs(model: torch.nn.Module, seqs: list[list[int]], starts: list[int]):
+    batch = pack(seqs, starts)
+    hidden = model.hidden(batch.inputs, batch).flatten(0, 1)[batch.index]
+    chosen = torch.log_softmax(model.lm_head(hidden), -1).gather(-1, batch.targets[:, None])[:, 0]
+    flat = chosen.new_zeros(len(seqs) * batch.width).index_copy(0, batch.dest, chosen)
+    return batch, flat.view(len(seqs), batch.width)
+
+
+def _own_logprobs(model: torch.nn.Module, seq: list[int]) -> torch.Tensor:
+    logits = model(torch.tensor([seq[:-1]]))[0]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+
+
+def test_packed_logprobs_equal_each_sequence_alone() -> None:
+    model = build_model(preset_config("tiny", VOCAB), seed=0)
+    seqs, starts = _groups(0)
+    batch, packed = _packed_logprobs(model, seqs, starts)
+    # The twelve grouped sequences fit three rows, the lone one a fourth.
+    assert batch.inputs.shape[0] == 4
+    for i, seq in enumerate(seqs):
+        first, last = starts[i] - 1, len(seq) - 1
+        torch.testing.assert_close(packed[i, first:last], _own_logprobs(model, seq)[first:])
+        # Outside the trained span the layout holds zeros (masked out by the loss).
+        assert not packed[i, :first].any() and not packed[i, last:].any()
+
+
+def test_packed_gradient_equals_unpacked_gradient() -> None:
+    seqs, starts = _groups(1)
+    weights = torch.randn(len(seqs), max(len(s) for s in seqs) - 1)
+
+    def grads(packed: bool) -> list[torch.Tensor]:
+        model = build_model(preset_config("tiny", VOCAB), seed=0)
+        if packed:
+            _, logprobs = _packed_logprobs(model, seqs, starts)
+            total = (logprobs * weights).sum()
+        else:
+            total = sum(
+                (
+                    _own_logprobs(model, s)[starts[i] - 1 :]
+                    * weights[i, starts[i] - 1 : len(s) - 1]
+                ).sum()
+                for i, s in enumerate(seqs)
+            )
+        total.backward()
+        return [p.grad for p in model.parameters()]
+
+    for a, b in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_rows_stay_within_twice_the_longest_sequence() -> None:
+    prompt = list(range(4))
+    seqs = [[*prompt, 5, 6, 7, 8] for _ in range(6)]  # 8 tokens: 7 inputs each
+    batch = pack(seqs, [4] * 6)
+    # A row holds the prompt and completions while it stays within 14 columns: 4 + 3 * 3 = 13.
+    assert batch.inputs.shape == (2, 13)
+    assert batch.targets.tolist() == [5, 6, 7, 8] * 6
