@@ -80,7 +80,7 @@ async def sample_groups(backend: Any, n: int, temperature: float) -> list[Trajec
 
 
 def weights(backend: Any, version: int) -> torch.Tensor:
-    return torch.cat([p.flatten() for p in backend.store.get(version)[1].parameters()])
+    return torch.cat([p.flatten() for p in backend.rollout.store.get(version)[1].parameters()])
 
 
 def test_streamed_step_equals_whole_step(tiny_checkpoint: Path, tmp_path: Path) -> None:

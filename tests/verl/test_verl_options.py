@@ -13,13 +13,17 @@ from rllm_async.backends.verl.options import check_config
 from rllm_async.config import Config, ConfigError, config_from_dict
 
 
-def make_config(**backend: Any) -> Config:
+def make_config(coordinator: dict[str, Any] | None = None, **backend: Any) -> Config:
     return config_from_dict(
         {
             "backend": {"name": "verl", "model_path": "/nonexistent", **backend},
             "rollout": {"max_tokens": 8},
+            "coordinator": coordinator or {},
         }
     )
+
+
+LATEST = {"weight_update": "latest"}
 
 
 @pytest.mark.parametrize(
@@ -35,10 +39,26 @@ def make_config(**backend: Any) -> Config:
             "must divide backend.gpus_per_node",
         ),
         (
-            {"tensor_parallel_size": 2, "gpus_per_node": 2},
-            "local sampler (rollout: local) runs on one device",
+            {
+                "rollout": "sglang",
+                "rollout_nodes": 1,
+                "rollout_gpus_per_node": 2,
+                "tensor_parallel_size": 4,
+            },
+            "exceeds the rollout GPUs per node (2)",
         ),
-        ({"rollout": "sglang"}, "rollout: sglang is not wired"),
+        (
+            {"tensor_parallel_size": 2, "gpus_per_node": 2},
+            "backend.tensor_parallel_size applies to vllm/sglang rollout servers",
+        ),
+        ({"rollout_nodes": 1}, "backend.rollout_nodes applies to vllm/sglang"),
+        ({"rollout": "sglang", "device": "cpu"}, "runs sglang servers on GPUs"),
+        ({"rollout": "vllm", "rollout_gpus_per_node": 4}, "set rollout_nodes, or remove"),
+        (
+            {"rollout": "vllm", "rollout_nodes": 1, "checkpoint_engine": "naive"},
+            "checkpoint_engine: naive loads weights in the training process",
+        ),
+        ({"rollout": "vllm"}, "set coordinator.weight_update: latest"),
         ({"nodes": 2}, "a Ray started here has one node"),
         ({"ray_address": "auto", "ray_num_cpus": 4}, "remove ray_num_cpus"),
         ({"device": "cpu", "fsdp": {"param_offload": True}}, "mean nothing on cpu"),
@@ -50,6 +70,30 @@ def test_impossible_layouts_are_refused(backend: dict[str, Any], message: str) -
     with pytest.raises(ConfigError, match="backend verl cannot run this config") as err:
         check_config(make_config(**backend))
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("backend", "coordinator", "mode"),
+    [
+        ({"rollout": "vllm", "gpus_per_node": 4, "tensor_parallel_size": 2}, LATEST, "async"),
+        ({"rollout": "sglang", "rollout_nodes": 2, "rollout_gpus_per_node": 8}, LATEST, "async"),
+        ({"rollout": "vllm"}, {"pipeline_depth": 0, "max_staleness": 0}, "async"),
+        ({"rollout": "vllm"}, {}, "sync"),  # sync is pinned, but no episode spans a sync
+    ],
+)
+def test_server_rollouts_are_accepted(
+    backend: dict[str, Any], coordinator: dict[str, Any], mode: str
+) -> None:
+    cfg = config_from_dict(
+        {
+            "mode": mode,
+            "backend": {"name": "verl", "model_path": "/x", **backend},
+            "rollout": {"max_tokens": 8},
+            "coordinator": coordinator,
+        }
+    )
+    opts = check_config(cfg)
+    assert opts.rollout == backend["rollout"]
 
 
 def test_kl_penalty_is_refused() -> None:
@@ -81,3 +125,21 @@ def test_missing_verl_names_the_extra(tmp_path: Path) -> None:
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
     )
     assert "pip install 'rllm-async[verl]'" in out.stdout, out.stdout + out.stderr
+
+
+def test_missing_server_package_names_the_extra(tmp_path: Path) -> None:
+    """rollout: vllm|sglang without the package is refused before Ray starts, naming the install."""
+    code = (
+        "from rllm_async.backends import get_backend_factory\n"
+        "from rllm_async.config import ConfigError, config_from_dict\n"
+        "for name in ('vllm', 'sglang'):\n"
+        "    cfg = config_from_dict({'backend': {'name': 'verl', 'model_path': '/nonexistent',\n"
+        "        'rollout': name}, 'coordinator': {'weight_update': 'latest'}})\n"
+        "    try:\n        get_backend_factory('verl').from_config(cfg)\n"
+        "    except ConfigError as e:\n        print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    )
+    for name in ("vllm", "sglang"):
+        assert f"pip install 'verl[{name}]==0.9.1'" in out.stdout, out.stdout + out.stderr

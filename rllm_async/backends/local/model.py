@@ -18,8 +18,11 @@ class AttentionView(Protocol):
     """Where the tokens of a forward pass sit and what they attend to: the sampler's KV-cache
     slots (`cache.CacheView`) or the trainer's packed rows (`packing.PackedBatch`)."""
 
-    positions: torch.Tensor  # [B, T] rotary positions
-    mask: torch.Tensor  # [B, 1, T, keys] True where attention is allowed
+    @property
+    def positions(self) -> torch.Tensor: ...  # [B, T] rotary positions
+
+    @property
+    def mask(self) -> torch.Tensor: ...  # [B, 1, T, keys] True where attention is allowed
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor

@@ -62,11 +62,11 @@ def pack(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> PackedBat
     by_prompt: dict[tuple[int, ...], int] = {}  # prompt -> its open row
     for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
         start = max(start, 1)  # the first token is never predicted
-        prompt = tuple(seq[:start])
-        r = by_prompt.get(prompt)
+        key = tuple(seq[:start])
+        r = by_prompt.get(key)
         if r is None or _row_len(rows[r], sequences) + len(seq) - 1 - start > cap:
-            by_prompt[prompt] = r = len(rows)
-            rows.append((list(prompt), []))
+            by_prompt[key] = r = len(rows)
+            rows.append((list(key), []))
         rows[r][1].append(i)
 
     length = max(_row_len(row, sequences) for row in rows)

@@ -1,4 +1,4 @@
-"""VerlBackend: training on verl's FSDP workers in a Ray worker group, sampling in this process."""
+"""VerlBackend: verl's FSDP training workers in a Ray worker group, with local or server rollout."""
 
 from __future__ import annotations
 
@@ -12,20 +12,19 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import ray
-import torch
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
 from rllm_async.algorithms.losses import LossStats
 from rllm_async.algorithms.schedule import learning_rate
-from rllm_async.backends.local.backend import DTYPES, LocalPolicy
+from rllm_async.backends.base import PolicyClient
+from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.backends.local.hf import load_checkpoint
-from rllm_async.backends.local.model import ModelConfig, load_model
-from rllm_async.backends.local.sampler import Sampler
-from rllm_async.backends.local.snapshots import WeightStore
 from rllm_async.backends.verl import batch as verl_batch
+from rllm_async.backends.verl.local_rollout import LocalRollout
 from rllm_async.backends.verl.loss import LOSS_KEY
 from rllm_async.backends.verl.options import VerlOptions, check_config
-from rllm_async.backends.verl.verl_config import actor_config
+from rllm_async.backends.verl.server_rollout import ServerRollout, check_server_installed
+from rllm_async.backends.verl.verl_config import verl_config
 from rllm_async.backends.verl.worker import VerlWorker
 from rllm_async.config import Config, ConfigError, LossConfig
 from rllm_async.types import TrajectoryGroup
@@ -37,8 +36,8 @@ CHECKPOINT_FILE = "verl_backend.json"
 class VerlBackend:
     """verl 0.9's split-step actor workers (FSDP) on Ray, fed one micro-batch per call.
 
-    Rollout runs on the local backend's dynamic-batching sampler in this process; after every
-    update, the trained weights are exported from the workers and published as the new version.
+    Rollout is `LocalRollout` (the local sampler in this process, fed with weights exported from
+    the workers) or `ServerRollout` (verl's vLLM/SGLang servers, fed by its checkpoint engines).
     """
 
     options: ClassVar[type[VerlOptions]] = VerlOptions
@@ -48,34 +47,43 @@ class VerlBackend:
         self.config = config
         self.opts = opts
         self.temperature = config.rollout.temperature or 1.0
-        ckpt = load_checkpoint(Path(opts.model_path).expanduser())
-        self.model_cfg: ModelConfig = ckpt.config
-        self.sampler_device = torch.device(opts.sampler_device)
-        self.sampler_dtype = DTYPES[opts.sampler_dtype]
-        self.store = WeightStore(0, self._snapshot(ckpt.state))
-        self.sampler = Sampler(
-            self.store,
-            ckpt.tokenizer,
-            ckpt.stop_ids,
-            max_batch=opts.max_batch,
-            max_seq_len=opts.max_seq_len,
-            device=self.sampler_device,
-            dtype=self.sampler_dtype,
-            threads=opts.sampler_threads,
-            seed=config.seed if opts.seed is None else opts.seed,
-        )
-        self._policy = LocalPolicy(self.sampler, self.store)
-        self._filler = ckpt.tokenizer.eos_token_id
+        path = Path(opts.model_path).expanduser()
+        local = opts.rollout == "local"
+        if local:
+            ckpt = load_checkpoint(path)  # before Ray: a model the sampler cannot run stops here
+            tokenizer: Any = ckpt.tokenizer
+        else:
+            check_server_installed(opts.rollout)
+            tokenizer = load_tokenizer(
+                path, setting="backend.model_path", require_chat_template=True
+            )
+        self._filler = tokenizer.eos_token_id
         self._calls = concurrent.futures.ThreadPoolExecutor(1, "rllm-verl")
+        cfg = verl_config(config, opts)
         self._started_ray = _start_ray(opts)
         try:
-            self.workers = _worker_group(config, opts)
+            self.workers = _worker_group(cfg.actor_rollout_ref, opts)
         except BaseException:
             self._shutdown_ray()
             raise
+        try:
+            self.rollout: LocalRollout | ServerRollout
+            if local:
+                seed = config.seed if opts.seed is None else opts.seed
+                self.rollout = LocalRollout(ckpt, self.workers, opts, seed)
+            else:
+                self.rollout = ServerRollout(cfg, self.workers, opts, tokenizer)
+                self.rollout.sync(0)  # the servers start without the trained weights
+        except BaseException:
+            self._stop_workers()
+            self._shutdown_ray()
+            raise
         self._stats = LossStats()
+        # Micro-batches held until `optim_step` while colocated servers still sample.
+        self._deferred: list[tuple[list[TrajectoryGroup], LossConfig]] = []
         self._step = 0
-        self.export_s = 0.0  # seconds the last weight export took (gather, transfer, load)
+        self._version = 0
+        self.export_s = 0.0  # seconds the last weight sync took (gather, transfer, load)
         self._closed = False
 
     @classmethod
@@ -89,16 +97,27 @@ class VerlBackend:
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"backend verl: {e}") from e
 
-    def policy(self) -> LocalPolicy:
-        return self._policy
+    def policy(self) -> PolicyClient:
+        return self.rollout.policy
 
     async def forward_backward(
         self, groups: list[TrajectoryGroup], loss: LossConfig
     ) -> dict[str, float]:
-        """Send the groups' sequences to the workers; gradients accumulate until `optim_step`."""
+        """Send the groups' sequences to the workers; gradients accumulate until `optim_step`.
+
+        With colocated servers the sequences wait for `optim_step`: the servers keep sampling the
+        step's remaining groups, and the workers train once the servers sleep (as in verl).
+        """
+        if self.rollout.colocated:
+            self._deferred.append((groups, loss))
+        else:
+            await self._forward_backward(groups, loss)
+        return {}
+
+    async def _forward_backward(self, groups: list[TrajectoryGroup], loss: LossConfig) -> None:
         rows = verl_batch.rows(groups)
         if not rows:
-            return {}
+            return
         world = self.opts.world_size
         padded = rows + [verl_batch.filler_row(self._filler)] * (-len(rows) % world)
         data = verl_batch.to_tensordict(
@@ -107,10 +126,14 @@ class VerlBackend:
         output = await self._call(lambda: self.workers.forward_backward(data).get())
         logprobs = verl_batch.response_logprobs(output["log_probs"], padded)[: len(rows)]
         self._stats.merge(verl_batch.loss_stats(rows, logprobs, loss))
-        return {}
 
     async def optim_step(self) -> dict[str, float]:
         """Divide the step's summed gradients by its loss tokens, clip, and step with our LR."""
+        if self._deferred:
+            await self._call(self.rollout.pause)
+            deferred, self._deferred = self._deferred, []
+            for groups, loss in deferred:
+                await self._forward_backward(groups, loss)
         lr = learning_rate(self.config.optim, self._step, self.config.train.total_steps)
         tokens = self._stats.tokens
         grad_norm = 0.0
@@ -132,15 +155,15 @@ class VerlBackend:
         return metrics
 
     async def on_policy_updated(self, version: int) -> None:
-        """Export the trained weights from the workers and publish them to the sampler."""
+        """Move the trained weights to the rollout (sampler or servers) as `version`."""
         start = time.perf_counter()
-        state = await self._call(lambda: self.workers.export_weights()[0])
-        self.store.publish(version, self._snapshot(state))
+        await self._call(self.rollout.sync, version)
+        self._version = version
         self.export_s = time.perf_counter() - start
 
     async def save(self, path: Path) -> None:
         """verl's FSDP checkpoint (weights, optimizer) under `path`/verl, and our step and version."""
-        if self._stats.tokens > 0:
+        if self._stats.tokens > 0 or self._deferred:
             raise RuntimeError(
                 "cannot checkpoint with gradients not yet applied: call optim_step()"
             )
@@ -149,11 +172,11 @@ class VerlBackend:
         await self._call(
             self.workers.save_checkpoint, str((path / "verl").resolve()), None, self._step
         )
-        record = {"step": self._step, "version": self.store.latest}
+        record = {"step": self._step, "version": self._version}
         (path / CHECKPOINT_FILE).write_text(json.dumps(record) + "\n")
 
     async def load(self, path: Path) -> None:
-        """Restore what `save` wrote and publish the restored weights to the sampler."""
+        """Restore what `save` wrote and move the restored weights to the rollout."""
         file = Path(path) / CHECKPOINT_FILE
         if not file.is_file():
             raise FileNotFoundError(f"{file} not found: is {path} a verl-backend checkpoint?")
@@ -161,32 +184,30 @@ class VerlBackend:
         await self._call(self.workers.load_checkpoint, str((Path(path) / "verl").resolve()))
         self._step = int(record["step"])
         self._stats = LossStats()
+        self._deferred = []
         await self.on_policy_updated(int(record["version"]))
 
     async def close(self) -> None:
-        """Stop the sampler, the workers and (when this backend started it) Ray; idempotent."""
+        """Stop the rollout, the workers and (when this backend started it) Ray; idempotent."""
         if self._closed:
             return
         self._closed = True
-        self.sampler.close()
+        self.rollout.close()
+        self._stop_workers()
+        self._calls.shutdown(wait=True)
+        self._shutdown_ray()
+
+    def _stop_workers(self) -> None:
         for worker in self.workers.workers:
             ray.kill(worker)
         for group in self.workers.resource_pool.get_placement_groups():
             ray.util.remove_placement_group(group)
-        self._calls.shutdown(wait=True)
-        self._shutdown_ray()
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking worker-group call off the event loop, one at a time, in order."""
         if self._closed:
             raise RuntimeError("the verl backend is closed")
         return await asyncio.get_running_loop().run_in_executor(self._calls, fn, *args)
-
-    def _snapshot(self, state: dict[str, torch.Tensor]) -> Any:
-        """A frozen sampler model from Hugging Face-named weights."""
-        tensors = {name.removeprefix("model."): t for name, t in state.items()}
-        model = load_model(self.model_cfg, tensors, self.sampler_device, self.sampler_dtype)
-        return model.eval().requires_grad_(False)
 
     def _shutdown_ray(self) -> None:
         if self._started_ray:
@@ -205,19 +226,26 @@ def _start_ray(opts: VerlOptions) -> bool:
         started = True
     kind = "GPU" if opts.device == "cuda" else "CPU"
     have = ray.cluster_resources().get(kind, 0)
-    if have < opts.world_size:
+    need = opts.world_size + opts.rollout_gpus
+    if have < need:
         if started:
             ray.shutdown()
+        rollout = f" + rollout {opts.rollout_gpus}" if opts.rollout_gpus else ""
         raise ConfigError(
-            f"backend verl needs {opts.world_size} {kind}s (nodes {opts.nodes} x gpus_per_node "
-            f"{opts.gpus_per_node}), but the Ray cluster has {have:g}: lower nodes/gpus_per_node, "
-            "or connect to a larger cluster with backend.ray_address"
+            f"backend verl needs {need} {kind}s (nodes {opts.nodes} x gpus_per_node "
+            f"{opts.gpus_per_node}{rollout}), but the Ray cluster has {have:g}: lower "
+            "nodes/gpus_per_node/rollout_nodes, or connect to a larger cluster with "
+            "backend.ray_address"
         )
     return started
 
 
-def _worker_group(config: Config, opts: VerlOptions) -> RayWorkerGroup:
-    """The actor workers, one per device, with verl's FSDP engine built and our loss set."""
+def _worker_group(actor_rollout_ref: Any, opts: VerlOptions) -> RayWorkerGroup:
+    """The actor workers, one per device, with verl's FSDP engine built and our loss set.
+
+    With colocated servers the workers also hold verl's rollout adapters (role `actor_rollout`),
+    through which verl's hybrid replicas run on the same devices and load weights in-process.
+    """
     cpu = opts.device == "cpu"
     env: dict[str, str] = {}
     if cpu:
@@ -227,9 +255,8 @@ def _worker_group(config: Config, opts: VerlOptions) -> RayWorkerGroup:
     pool = RayResourcePool(
         process_on_nodes=[opts.gpus_per_node] * opts.nodes, use_gpu=not cpu, max_colocate_count=1
     )
-    init = RayClassWithInitArgs(
-        cls=ray.remote(VerlWorker), config=actor_config(config, opts), role="actor"
-    )
+    role = "actor_rollout" if opts.rollout != "local" and opts.colocated else "actor"
+    init = RayClassWithInitArgs(cls=ray.remote(VerlWorker), config=actor_rollout_ref, role=role)
     group = RayWorkerGroup(
         resource_pool=pool, ray_cls_with_init=init, worker_env=env, device_name=opts.device
     )

@@ -39,6 +39,11 @@ class VerlOptions(BaseModel):
     gpus_per_node: int = Field(default=1, ge=1)  # with device: cpu, training processes per node
     rollout: Literal["local", "vllm", "sglang"] = "local"
     tensor_parallel_size: int = Field(default=1, ge=1)  # of each vllm/sglang rollout server
+    # 0: the rollout servers share the training GPUs (colocated); n: n nodes of their own.
+    rollout_nodes: int = Field(default=0, ge=0)
+    rollout_gpus_per_node: int | None = Field(default=None, ge=1)  # null: gpus_per_node
+    # verl's weight transfer to servers on their own GPUs (colocated servers load in-process).
+    checkpoint_engine: str = "nccl"
     fsdp: FSDPOptions = Field(default_factory=FSDPOptions)
     attn_implementation: str | None = None  # null: sdpa on cpu, flash_attention_2 on cuda
     # Pack each micro-batch's sequences without padding; null: only with flash_attention_2.
@@ -58,6 +63,23 @@ class VerlOptions(BaseModel):
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def colocated(self) -> bool:
+        """Whether the rollout servers run on the training GPUs (sleeping while they train)."""
+        return self.rollout_nodes == 0
+
+    @property
+    def rollout_gpus(self) -> int:
+        """GPUs the rollout servers need besides the training ones (0 when colocated)."""
+        return self.rollout_nodes * self.server_gpus_per_node
+
+    @property
+    def server_gpus_per_node(self) -> int:
+        """GPUs per node that one node's rollout servers divide among themselves."""
+        if self.colocated:
+            return self.gpus_per_node
+        return self.rollout_gpus_per_node or self.gpus_per_node
 
     @property
     def attention(self) -> str:
@@ -81,6 +103,15 @@ def check_config(config: Config) -> VerlOptions:
             f"algorithm.loss.kl_coef is {config.algorithm.loss.kl_coef}, but the verl backend builds "
             "no reference model: set it to 0, or use backend.name: local"
         )
+    co = config.coordinator
+    if opts.rollout != "local" and co.weight_update == "pin" and co.pipeline_depth > 0:
+        problems.append(
+            f"backend.rollout: {opts.rollout} servers hold one weight version at a time, so an "
+            "episode cannot stay on the version it started with (coordinator.weight_update: pin) "
+            f"while rollouts overlap training (coordinator.pipeline_depth {co.pipeline_depth}): "
+            "set coordinator.weight_update: latest (every token keeps the version that sampled "
+            "it), or pipeline_depth: 0"
+        )
     if config.rollout.max_tokens >= opts.max_seq_len:
         problems.append(
             f"rollout.max_tokens ({config.rollout.max_tokens}) leaves no room for a prompt in "
@@ -101,27 +132,7 @@ def layout_problems(opts: VerlOptions) -> list[str]:
             f"backend.fsdp.fsdp_size ({fsdp.fsdp_size}) must divide the {world} training workers "
             f"(nodes {opts.nodes} x gpus_per_node {opts.gpus_per_node}), or be -1 (all of them)"
         )
-    if opts.tensor_parallel_size > opts.gpus_per_node:
-        problems.append(
-            f"backend.tensor_parallel_size ({opts.tensor_parallel_size}) exceeds "
-            f"backend.gpus_per_node ({opts.gpus_per_node}): a rollout server cannot span nodes"
-        )
-    elif opts.gpus_per_node % opts.tensor_parallel_size:
-        problems.append(
-            f"backend.tensor_parallel_size ({opts.tensor_parallel_size}) must divide "
-            f"backend.gpus_per_node ({opts.gpus_per_node})"
-        )
-    if opts.rollout == "local" and opts.tensor_parallel_size != 1:
-        problems.append(
-            "backend.tensor_parallel_size applies to vllm/sglang rollout servers; the local "
-            "sampler (rollout: local) runs on one device: set it to 1"
-        )
-    if opts.rollout != "local":
-        problems.append(
-            f"backend.rollout: {opts.rollout} is not wired in this version (verl's rollout servers "
-            "and weight transfer have never run here): use rollout: local, which samples in this "
-            "process with the weights exported from verl after every update"
-        )
+    problems.extend(_rollout_problems(opts))
     if opts.device == "cpu" and (fsdp.param_offload or fsdp.optimizer_offload):
         problems.append(
             "backend.fsdp.param_offload/optimizer_offload mean nothing on cpu: remove them"
@@ -142,5 +153,47 @@ def layout_problems(opts: VerlOptions) -> list[str]:
         problems.append(
             "backend.ray_num_cpus sizes a Ray started here; with backend.ray_address the cluster "
             "has its own resources: remove ray_num_cpus"
+        )
+    return problems
+
+
+def _rollout_problems(opts: VerlOptions) -> list[str]:
+    """What is impossible about the rollout: the local sampler, or verl's servers and their GPUs."""
+    if opts.rollout == "local":
+        extra = [
+            ("tensor_parallel_size", opts.tensor_parallel_size != 1),
+            ("rollout_nodes", opts.rollout_nodes != 0),
+            ("rollout_gpus_per_node", opts.rollout_gpus_per_node is not None),
+        ]
+        return [
+            f"backend.{key} applies to vllm/sglang rollout servers; the local sampler "
+            "(rollout: local) runs in this process on one device: remove it"
+            for key, set_ in extra
+            if set_
+        ]
+    problems = []
+    name, tp, gpus = opts.rollout, opts.tensor_parallel_size, opts.server_gpus_per_node
+    where = "backend.gpus_per_node" if opts.colocated else "the rollout GPUs per node"
+    if tp > gpus:
+        problems.append(
+            f"backend.tensor_parallel_size ({tp}) exceeds {where} ({gpus}): a rollout server "
+            "cannot span nodes"
+        )
+    elif gpus % tp:
+        problems.append(f"backend.tensor_parallel_size ({tp}) must divide {where} ({gpus})")
+    if opts.device != "cuda":
+        problems.append(
+            f"backend.rollout: {name} runs {name} servers on GPUs, but backend.device is "
+            f"{opts.device}: use device: cuda, or rollout: local"
+        )
+    if opts.colocated and opts.rollout_gpus_per_node is not None:
+        problems.append(
+            "backend.rollout_gpus_per_node sizes rollout nodes of their own, but rollout_nodes is "
+            "0 (servers share the training GPUs): set rollout_nodes, or remove rollout_gpus_per_node"
+        )
+    if not opts.colocated and opts.checkpoint_engine == "naive":
+        problems.append(
+            "backend.checkpoint_engine: naive loads weights in the training process, which only "
+            "colocated servers share: use nccl (or another verl engine) with rollout_nodes > 0"
         )
     return problems

@@ -1,4 +1,4 @@
-"""verl's own config for the actor worker, composed from verl's Hydra defaults plus our options."""
+"""verl's own config for the workers and rollout servers: verl's Hydra defaults plus our options."""
 
 from __future__ import annotations
 
@@ -15,7 +15,15 @@ DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def actor_config(config: Config, opts: VerlOptions) -> DictConfig:
-    """`actor_rollout_ref` of verl's `ppo_trainer` config, set up for our split-step training."""
+    """`actor_rollout_ref` of `verl_config`: what the training workers are built from."""
+    return verl_config(config, opts).actor_rollout_ref
+
+
+def verl_config(config: Config, opts: VerlOptions) -> DictConfig:
+    """verl's whole `ppo_trainer` config, set up for our split-step training and rollout servers.
+
+    Rollout servers and their managers read `actor_rollout_ref.rollout` from the whole config.
+    """
     import verl
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -27,9 +35,28 @@ def actor_config(config: Config, opts: VerlOptions) -> DictConfig:
             cfg = compose("ppo_trainer", overrides=overrides)
     except HydraException as e:
         raise ConfigError(f"backend.overrides {opts.overrides}: {e}") from e
-    for key, value in _settings(config, opts).items():
+    settings = _settings(config, opts)
+    if opts.rollout != "local":
+        settings.update(_server_settings(config, opts))
+    for key, value in settings.items():
         OmegaConf.update(cfg, f"actor_rollout_ref.{key}", value, force_add=True)
-    return cfg.actor_rollout_ref
+    return cfg
+
+
+def _server_settings(config: Config, opts: VerlOptions) -> dict[str, Any]:
+    """verl's rollout section for vllm/sglang servers: layout, lengths and weight transfer."""
+    return {
+        "rollout.name": opts.rollout,
+        "rollout.tensor_model_parallel_size": opts.tensor_parallel_size,
+        "rollout.nnodes": opts.rollout_nodes,
+        "rollout.n_gpus_per_node": opts.server_gpus_per_node,
+        "rollout.max_model_len": opts.max_seq_len,
+        "rollout.prompt_length": opts.max_seq_len - config.rollout.max_tokens,
+        "rollout.response_length": config.rollout.max_tokens,
+        "rollout.calculate_log_probs": True,
+        "rollout.skip_tokenizer_init": False,  # stop strings are matched on the decoded text
+        "rollout.checkpoint_engine.backend": "naive" if opts.colocated else opts.checkpoint_engine,
+    }
 
 
 def _settings(config: Config, opts: VerlOptions) -> dict[str, Any]:
