@@ -94,9 +94,9 @@ def pack(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> PackedBat
             targets += list(seq[p:])
             dest += range(i * width + p - 1, i * width + len(seq) - 1)
             col = end
-    query, key = segments.unsqueeze(2), segments.unsqueeze(1)
+    query, keys = segments.unsqueeze(2), segments.unsqueeze(1)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
-    mask = causal & ((key == 0) | (key == query))  # the prompt, or the query's own completion
+    mask = causal & ((keys == 0) | (keys == query))  # the prompt, or the query's own completion
     return PackedBatch(
         inputs,
         positions,
