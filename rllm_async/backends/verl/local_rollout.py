@@ -1,0 +1,63 @@
+"""`rollout: local`: the local backend's sampler in this process, fed with weights exported from verl.
+
+verl is imported only through the worker group handed in, so this module loads without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rllm_async.backends.local.backend import DTYPES, LocalPolicy
+from rllm_async.backends.local.hf import Checkpoint
+from rllm_async.backends.local.model import load_model
+from rllm_async.backends.local.sampler import Sampler
+from rllm_async.backends.local.snapshots import WeightStore
+from rllm_async.backends.verl.options import VerlOptions
+
+
+class LocalRollout:
+    """The dynamic-batching sampler and its versioned `WeightStore` (pinned versions work).
+
+    After every update `sync` gathers the full weights from the workers' FSDP shards (every worker
+    takes part; rank 0 returns them through Ray) and publishes them as the new version.
+    """
+
+    colocated = False  # nothing to free on the training GPUs while they train
+
+    def __init__(self, ckpt: Checkpoint, workers: Any, opts: VerlOptions, seed: int) -> None:
+        self.workers = workers
+        self.model_cfg = ckpt.config
+        self.device = torch.device(opts.sampler_device)
+        self.dtype = DTYPES[opts.sampler_dtype]
+        self.store = WeightStore(0, self._snapshot(ckpt.state))
+        self.sampler = Sampler(
+            self.store,
+            ckpt.tokenizer,
+            ckpt.stop_ids,
+            max_batch=opts.max_batch,
+            max_seq_len=opts.max_seq_len,
+            device=self.device,
+            dtype=self.dtype,
+            threads=opts.sampler_threads,
+            seed=seed,
+        )
+        self.policy = LocalPolicy(self.sampler, self.store)
+
+    def pause(self) -> None:
+        """Nothing to do: the sampler does not share the training devices' memory with verl."""
+
+    def sync(self, version: int) -> None:
+        """Export the trained weights from the workers and publish them as `version` (blocking)."""
+        state = self.workers.export_weights()[0]
+        self.store.publish(version, self._snapshot(state))
+
+    def close(self) -> None:
+        self.sampler.close()
+
+    def _snapshot(self, state: dict[str, torch.Tensor]) -> Any:
+        """A frozen sampler model from Hugging Face-named weights."""
+        tensors = {name.removeprefix("model."): t for name, t in state.items()}
+        model = load_model(self.model_cfg, tensors, self.device, self.dtype)
+        return model.eval().requires_grad_(False)
