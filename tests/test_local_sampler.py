@@ -76,6 +76,30 @@ def test_logprobs_match_a_full_forward_pass_alone_and_dynamically_batched() -> N
     asyncio.run(main())
 
 
+def test_requests_sharing_a_prompt_run_it_once_and_sample_apart() -> None:
+    async def main() -> None:
+        backend = make_backend(max_batch=8)
+        policy = backend.policy()
+        model = backend.store.get(0)[1]
+        shared = prompt(backend, "Use 4 5 and + - * to make 20.")
+        other = prompt(backend, "1 2 3")
+        requests = [(shared, i) for i in range(6)] + [(other, 6), (other, 7)]
+        params = {seed: SamplingParams(max_tokens=12, seed=seed) for _, seed in requests}
+        alone = [await policy.generate(p, params[seed]) for p, seed in requests]
+        # Admitted together: each prompt's keys and values are computed once and copied.
+        together = await asyncio.gather(*(policy.generate(p, params[s]) for p, s in requests))
+        assert backend.sampler.peak_batch == len(requests)
+        for (p, _), a, b in zip(requests, alone, together, strict=True):
+            assert a.ids == b.ids
+            expected = full_forward_logprobs(model, p, b)
+            assert torch.allclose(torch.tensor(b.logprobs), expected, atol=1e-4)
+        # The copies are independent streams: different seeds give different completions.
+        assert len({tuple(c.ids) for c in together[:6]}) > 1
+        await backend.close()
+
+    asyncio.run(main())
+
+
 def test_greedy_length_stop_strings_and_seeds() -> None:
     async def main() -> None:
         backend = make_backend()

@@ -24,6 +24,11 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_seq_len = max_seq_len
 
+    def copy(self, source: int, target: int, length: int) -> None:
+        """Give slot `target` the first `length` positions of slot `source` (a shared prompt)."""
+        self.k[:, target, :, :length] = self.k[:, source, :, :length]
+        self.v[:, target, :, :length] = self.v[:, source, :, :length]
+
 
 class CacheView:
     """One forward pass over the cache: token j of row b goes to `positions[b, j]` of `slots[b]`.

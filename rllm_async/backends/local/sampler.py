@@ -157,16 +157,26 @@ class Sampler:
             self._finish(request, error=RuntimeError("the sampler was closed"))
 
     def _prefill(self, joiners: list[_Request]) -> None:
-        """Run the prompts of newly admitted requests and sample their first tokens."""
+        """Run the prompts of newly admitted requests and sample their first tokens.
+
+        A group's samples arrive together with the same prompt: each distinct prompt runs once
+        and its keys and values are copied into the slots of the requests that share it.
+        """
         for version, model, group in self._by_weights(joiners):
-            lengths = torch.tensor([len(r.prompt) for r in group])
+            leaders: dict[tuple[int, ...], int] = {}  # prompt -> row of the request that runs it
+            rows = [leaders.setdefault(tuple(r.prompt), len(leaders)) for r in group]
+            unique = [group[rows.index(i)] for i in range(len(leaders))]
+            lengths = torch.tensor([len(r.prompt) for r in unique])
             width = int(lengths.max())
-            tokens = torch.zeros(len(group), width, dtype=torch.long)
-            for row, request in enumerate(group):
+            tokens = torch.zeros(len(unique), width, dtype=torch.long)
+            for row, request in enumerate(unique):
                 tokens[row, : len(request.prompt)] = torch.tensor(request.prompt)
-            positions = torch.arange(width).expand(len(group), width)
-            logits = self._forward(model, group, tokens, positions, last=lengths - 1)
-            self._step(group, logits, version)
+            positions = torch.arange(width).expand(len(unique), width)
+            logits = self._forward(model, unique, tokens, positions, last=lengths - 1)
+            for request, row in zip(group, rows, strict=True):
+                if request is not unique[row]:
+                    self._cache.copy(unique[row].slot, request.slot, len(request.prompt))
+            self._step(group, logits[rows], version)
             self.peak_batch = max(self.peak_batch, len(group))
             self._active.extend(r for r in group if r.slot >= 0)
 
