@@ -360,9 +360,6 @@ def grpo_config(config: Config, micro_batch: int, max_steps: int, out_dir: str) 
     ro, algo = config.rollout, config.algorithm
     if ro.temperature <= 0:
         raise SystemExit("rollout.temperature must be > 0: GRPO samples its groups")
-    if algo.loss.kl_coef > 0:
-        # TRL would load its reference model from a Hub id, which an in-memory model has not.
-        raise SystemExit("algorithm.loss.kl_coef > 0 is not supported here: set it to 0")
     batch = config.train.groups_per_step * ro.group_size
     return trl.GRPOConfig(
         output_dir=out_dir,
@@ -390,7 +387,7 @@ def grpo_config(config: Config, micro_batch: int, max_steps: int, out_dir: str) 
         remove_unused_columns=False,
         learning_rate=config.optim.lr,  # the optimizer and schedule are ours, passed in below
         max_grad_norm=config.optim.grad_clip or 0.0,
-        beta=0.0,
+        beta=algo.loss.kl_coef,  # TRL's per-token KL is the same k3 estimator as ours
         num_iterations=1,
         loss_type="dapo",
         epsilon=algo.loss.clip_low,
@@ -452,6 +449,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.max_seconds,
     )
     with tempfile.TemporaryDirectory() as out_dir:
+        # TRL builds its KL reference from the policy's `name_or_path`: point it at a saved copy
+        # of the warm-started weights (the reference our learner keeps).
+        hf.save_pretrained(f"{out_dir}/reference")
+        hf.config.name_or_path = f"{out_dir}/reference"
         trainer = trl.GRPOTrainer(
             model=hf,
             reward_funcs=trl_reward(reward_fn, train_tasks),
