@@ -10,6 +10,7 @@ import torch
 
 from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.local import LocalBackend
+from rllm_async.backends.local.cache import CacheView, KVCache
 from rllm_async.backends.local.model import Transformer
 from rllm_async.config import LossConfig, config_from_dict
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
@@ -277,3 +278,23 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_batch() -> None:
         assert asyncio.run(alone()) == asyncio.run(crowded())
     finally:
         sampler.close()
+
+
+@pytest.mark.parametrize("slots", [[1, 2, 3], [0, 2, 3]], ids=["consecutive", "gathered"])
+def test_cache_view_reads_each_rows_own_slot(slots: list[int]) -> None:
+    cache = KVCache(
+        n_layers=1, max_batch=4, n_kv_heads=2, max_seq_len=8, head_dim=4,
+        device=torch.device("cpu"), dtype=torch.float32,
+    )  # fmt: skip
+    cache.k.normal_()
+    cache.v.normal_()
+    positions = torch.tensor([[5], [2], [6]])
+    view = CacheView(cache, torch.tensor(slots), positions)
+    k_new, v_new = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+    k, v = view.update(0, k_new, v_new)
+    assert k.shape == v.shape == (3, 2, 7, 4)  # up to the longest row's position
+    for row, (slot, pos) in enumerate(zip(slots, positions[:, 0].tolist(), strict=True)):
+        assert torch.equal(k[row, :, pos], k_new[row, :, 0])
+        assert torch.equal(v[row, :, pos], v_new[row, :, 0])
+        assert torch.equal(k[row], cache.k[0, slot, :, :7])
+        assert torch.equal(v[row], cache.v[0, slot, :, :7])

@@ -44,8 +44,8 @@ class CacheView:
         self.length = int(positions.max()) + 1
         keys = torch.arange(self.length, device=positions.device)
         self.mask = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, length]
-        # Consecutive slots (the usual case once the sampler sorts its batch) are read as a view;
-        # any other set is gathered, which copies every row's history.
+        # Consecutive slots are read as a view; any other set is gathered, which copies every
+        # row's history (with `index_select`: advanced indexing is several times slower here).
         first = int(slots[0]) if slots.numel() else 0
         consecutive = torch.equal(
             slots, torch.arange(first, first + len(slots), device=slots.device)
@@ -59,7 +59,10 @@ class CacheView:
         rows = self.slots.unsqueeze(-1)
         self.cache.k[layer, rows, :, self.positions] = k.transpose(1, 2)
         self.cache.v[layer, rows, :, self.positions] = v.transpose(1, 2)
-        return (
-            self.cache.k[layer, self._rows, :, : self.length],
-            self.cache.v[layer, self._rows, :, : self.length],
-        )
+        return self._read(self.cache.k[layer]), self._read(self.cache.v[layer])
+
+    def _read(self, layer_cache: torch.Tensor) -> torch.Tensor:
+        history = layer_cache[:, :, : self.length]
+        if isinstance(self._rows, slice):
+            return history[self._rows]
+        return history.index_select(0, self._rows)
