@@ -92,3 +92,17 @@ def test_eval_command_reports_held_out_accuracy_of_the_newest_checkpoint(tmp_pat
     assert out["eval/n"] == 16 and out["eval/policy_version"] == 2
     assert 0.0 <= out["eval/accuracy"] <= 1.0
     assert main(["eval", str(tmp_path)]) == 2  # not a run directory
+
+
+def test_warm_start_cache_follows_the_examples_text_not_their_generators_name(
+    tmp_path, monkeypatch
+) -> None:
+    import asyncio
+
+    from rllm_async.workflows.tasks import countdown
+
+    cfg = config_from_dict(countdown_config(tmp_path))
+    asyncio.run(LocalBackend.from_config(cfg).close())
+    monkeypatch.setattr(countdown, "prompt_for", lambda numbers, target: f"{numbers}={target}")
+    asyncio.run(LocalBackend.from_config(cfg).close())
+    assert len(list((tmp_path / "cache").glob("*.pt"))) == 2

@@ -1,7 +1,7 @@
 """A brief supervised warm start, so that RL begins from a policy that sometimes succeeds.
 
-Its result is cached under a key made of everything that determines it (model, seed, examples,
-steps, learning rate), so a second run with the same settings starts at once.
+Its result is cached under a key made of everything that determines it (model, seed, the examples'
+tokens, steps, learning rate), so a second run with the same settings starts at once.
 """
 
 from __future__ import annotations
@@ -46,16 +46,24 @@ def warm_start(
 
     `identity` names the starting model (preset or path, and init seed) for the cache key.
     """
-    recipe = {"model": identity, "seed": seed, "schedule": "warmup-constant", **opts.model_dump()}
+    examples = import_object(opts.examples, "backend.warm_start.examples")(**opts.args)
+    sequences = [_tokens(tokenizer, ex) for ex in examples]
+    if not sequences:
+        raise ValueError(f"backend.warm_start.examples ({opts.examples}) returned no examples")
+    # The key holds the tokens themselves, not just the generator's name and arguments: a change
+    # to the task's code or to the tokenizer must not load weights trained on other text.
+    recipe = {
+        "model": identity,
+        "seed": seed,
+        "schedule": "warmup-constant",
+        **opts.model_dump(exclude={"cache_dir"}),
+        "data": hashlib.sha256(json.dumps(sequences).encode()).hexdigest(),
+    }
     key = json.dumps(recipe, sort_keys=True)
     path = Path(opts.cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     if path.is_file():
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return path
-    examples = import_object(opts.examples, "backend.warm_start.examples")(**opts.args)
-    sequences = [_tokens(tokenizer, ex) for ex in examples]
-    if not sequences:
-        raise ValueError(f"backend.warm_start.examples ({opts.examples}) returned no examples")
     _fit(model, sequences, opts, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
