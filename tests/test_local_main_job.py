@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -10,6 +11,7 @@ import torch
 from rllm_async.backends.local import LocalBackend
 from rllm_async.cli import main
 from rllm_async.config import config_from_dict
+from rllm_async.workflows.tasks import countdown
 
 
 def countdown_config(tmp_path, **extra) -> dict:
@@ -73,8 +75,6 @@ def test_warm_start_changes_the_model_and_is_cached(tmp_path) -> None:
     assert any(not torch.equal(w1[k], w0[k]) for k in w1), "the warm start trained the model"
     assert second_s < first_s
     for b in (first, second, untouched):
-        import asyncio
-
         asyncio.run(b.close())
 
 
@@ -97,10 +97,6 @@ def test_eval_command_reports_held_out_accuracy_of_the_newest_checkpoint(tmp_pat
 def test_warm_start_cache_follows_the_examples_text_not_their_generators_name(
     tmp_path, monkeypatch
 ) -> None:
-    import asyncio
-
-    from rllm_async.workflows.tasks import countdown
-
     cfg = config_from_dict(countdown_config(tmp_path))
     asyncio.run(LocalBackend.from_config(cfg).close())
     monkeypatch.setattr(countdown, "prompt_for", lambda numbers, target: f"{numbers}={target}")
