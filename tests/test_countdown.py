@@ -11,6 +11,7 @@ from rllm_async.workflows.tasks.countdown import (
     reward,
     solve,
     supervised_examples,
+    warm_start_examples,
 )
 
 TASK = {"id": "t", "numbers": [3, 5, 7], "target": 22, "prompt": "..."}
@@ -92,3 +93,21 @@ def test_solver_renders_needed_parentheses_and_knows_unsolvable() -> None:
     assert solve([2, 3, 4], 20) in ("(2+3)*4", "4*(2+3)", "(3+2)*4", "4*(3+2)")
     assert solve([1, 1, 1], 50) is None
     assert reward({"numbers": [9, 2, 4], "target": 3}, solve([9, 2, 4], 3) or "") == (1.0, True)
+
+
+def test_warm_start_mixes_solutions_with_well_formed_guesses() -> None:
+    tasks = generator(n=400, seed=1, min_numbers=2, max_numbers=3)
+    mixed = warm_start_examples(n=400, seed=1, solved_share=0.3, min_numbers=2, max_numbers=3)
+    assert mixed == warm_start_examples(
+        n=400, seed=1, solved_share=0.3, min_numbers=2, max_numbers=3
+    )
+    scores = [reward(t, ex["solution"]) for t, ex in zip(tasks, mixed, strict=True)]
+    # Every answer uses the problem's numbers once each; a guess is right only by chance.
+    assert all(score > 0.0 for score, _ in scores)
+    share_correct = sum(ok for _, ok in scores) / len(scores)
+    assert 0.3 < share_correct < 0.6
+    assert sum(ex["messages"][-1]["content"] == ex["solution"] for ex in mixed) == 400
+    solved = warm_start_examples(n=400, seed=1, min_numbers=2, max_numbers=3)
+    assert all(
+        reward(t, ex["solution"]) == (1.0, True) for t, ex in zip(tasks, solved, strict=True)
+    )

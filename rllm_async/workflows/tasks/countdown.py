@@ -211,15 +211,33 @@ def supervised_examples(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for task in tasks:
         solution = solve(list(task["numbers"]), int(task["target"]))
         if solution is not None:
-            messages = [
-                {"role": "user", "content": task["prompt"]},
-                {"role": "assistant", "content": solution},
-            ]
-            examples.append({"id": task["id"], "solution": solution, "messages": messages})
+            examples.append(_transcript(task, solution))
     return examples
 
 
-def warm_start_examples(n: int = 2000, seed: int = 1, **kwargs: Any) -> list[dict[str, Any]]:
-    """Solved transcripts of `n` fresh problems (`backend.warm_start.examples`); use a seed that
-    the train and eval data do not."""
-    return supervised_examples(generator(n=n, seed=seed, **kwargs))
+def warm_start_examples(
+    n: int = 2000, seed: int = 1, solved_share: float = 1.0, **kwargs: Any
+) -> list[dict[str, Any]]:
+    """Transcripts of `n` fresh problems (`backend.warm_start.examples`); use a seed that the
+    train and eval data do not. A `solved_share` of them answer with the solver's expression, the
+    rest with a random well-formed expression over the same numbers (usually wrong): the model
+    learns the answer's form and keeps every operator and order likely, so RL explores them all."""
+    rng = random.Random(f"warm-{seed}")
+    examples = []
+    for task in generator(n=n, seed=seed, **kwargs):
+        numbers = list(task["numbers"])
+        if rng.random() < solved_share:
+            answer = solve(numbers, int(task["target"]))
+            assert answer is not None, "the generator makes only solvable problems"
+        else:
+            answer = render(_random_tree(numbers, rng))
+        examples.append(_transcript(task, answer))
+    return examples
+
+
+def _transcript(task: dict[str, Any], answer: str) -> dict[str, Any]:
+    messages = [
+        {"role": "user", "content": task["prompt"]},
+        {"role": "assistant", "content": answer},
+    ]
+    return {"id": task["id"], "solution": answer, "messages": messages}
