@@ -205,16 +205,6 @@ def render(tree: Tree) -> str:
     return f"{lhs}{op}{rhs}"
 
 
-def supervised_examples(tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Chat transcripts (user prompt, assistant solution) of the solvable tasks, for a warm start."""
-    examples = []
-    for task in tasks:
-        solution = solve(list(task["numbers"]), int(task["target"]))
-        if solution is not None:
-            examples.append(_transcript(task, solution))
-    return examples
-
-
 def warm_start_examples(
     n: int = 2000, seed: int = 1, solved_share: float = 1.0, **kwargs: Any
 ) -> list[dict[str, Any]]:
@@ -231,13 +221,9 @@ def warm_start_examples(
             assert answer is not None, "the generator makes only solvable problems"
         else:
             answer = render(_random_tree(numbers, rng))
-        examples.append(_transcript(task, answer))
+        messages = [
+            {"role": "user", "content": task["prompt"]},
+            {"role": "assistant", "content": answer},
+        ]
+        examples.append({"id": task["id"], "solution": answer, "messages": messages})
     return examples
-
-
-def _transcript(task: dict[str, Any], answer: str) -> dict[str, Any]:
-    messages = [
-        {"role": "user", "content": task["prompt"]},
-        {"role": "assistant", "content": answer},
-    ]
-    return {"id": task["id"], "solution": answer, "messages": messages}
