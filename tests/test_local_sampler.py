@@ -281,20 +281,26 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_batch() -> None:
 
 
 @pytest.mark.parametrize("slots", [[1, 2, 3], [0, 2, 3]], ids=["consecutive", "gathered"])
-def test_cache_view_reads_each_rows_own_slot(slots: list[int]) -> None:
+def test_cache_view_writes_and_attends_over_each_rows_own_slot(slots: list[int]) -> None:
+    """Rows at different positions, spanning several cache blocks, with grouped-query heads."""
     cache = KVCache(
-        n_layers=1, max_batch=4, n_kv_heads=2, max_seq_len=8, head_dim=4,
+        n_layers=1, max_batch=4, n_kv_heads=2, max_seq_len=40, head_dim=4,
         device=torch.device("cpu"), dtype=torch.float32,
     )  # fmt: skip
     cache.k.normal_()
     cache.v.normal_()
-    positions = torch.tensor([[5], [2], [6]])
+    positions = torch.tensor([[21], [2], [35]])
     view = CacheView(cache, torch.tensor(slots), positions)
+    q = torch.randn(3, 4, 1, 4)  # 4 query heads share 2 key/value heads
     k_new, v_new = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
-    k, v = view.update(0, k_new, v_new)
-    assert k.shape == v.shape == (3, 2, 7, 4)  # up to the longest row's position
+    out = view.attend(0, q, k_new, v_new)
+    assert out.shape == (3, 4, 1, 4)
     for row, (slot, pos) in enumerate(zip(slots, positions[:, 0].tolist(), strict=True)):
-        assert torch.equal(k[row, :, pos], k_new[row, :, 0])
-        assert torch.equal(v[row, :, pos], v_new[row, :, 0])
-        assert torch.equal(k[row], cache.k[0, slot, :, :7])
-        assert torch.equal(v[row], cache.v[0, slot, :, :7])
+        # The slot's history as [kv_heads, positions, head_dim], written token included.
+        keys = cache.k[0, :, slot].permute(1, 0, 2, 3).reshape(2, -1, 4)[:, : pos + 1]
+        values = cache.v[0, :, slot].permute(1, 0, 2, 3).reshape(2, -1, 4)[:, : pos + 1]
+        assert torch.equal(keys[:, pos], k_new[row, :, 0])
+        assert torch.equal(values[:, pos], v_new[row, :, 0])
+        keys, values = keys.repeat_interleave(2, 0), values.repeat_interleave(2, 0)
+        probs = torch.softmax(q[row, :, 0:1] @ keys.transpose(-1, -2) / 2.0, dim=-1)
+        torch.testing.assert_close(out[row], probs @ values)

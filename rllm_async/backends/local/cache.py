@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from rllm_async.backends.local.model import repeat_kv
+
+BLOCK = 32  # positions per cache block
 
 
 class KVCache:
-    """Keys and values of up to `max_batch` sequences of up to `max_seq_len` tokens each."""
+    """Keys and values of up to `max_batch` sequences of up to `max_seq_len` tokens each.
+
+    Stored block-major, [layers, blocks, batch, kv_heads, BLOCK, head_dim]: the first L positions
+    of a run of slots are then a few dense blocks. Decoding reads them about twice as fast as the
+    first L of every row of a [batch, kv_heads, max_seq_len, head_dim] cache, whose scattered rows
+    the CPU's caches and prefetchers handle badly (docs/benchmarks.md).
+    """
 
     def __init__(
         self,
@@ -19,15 +30,20 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        shape = (n_layers, max_batch, n_kv_heads, max_seq_len, head_dim)
+        blocks = -(-max_seq_len // BLOCK)
+        shape = (n_layers, blocks, max_batch, n_kv_heads, BLOCK, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_seq_len = max_seq_len
 
     def copy(self, source: int, target: int, length: int) -> None:
-        """Give slot `target` the first `length` positions of slot `source` (a shared prompt)."""
-        self.k[:, target, :, :length] = self.k[:, source, :, :length]
-        self.v[:, target, :, :length] = self.v[:, source, :, :length]
+        """Give slot `target` the first `length` positions of slot `source` (a shared prompt).
+
+        Whole blocks are copied: positions past `length` are masked until the target writes them.
+        """
+        blocks = -(-length // BLOCK)
+        self.k[:, :blocks, target] = self.k[:, :blocks, source]
+        self.v[:, :blocks, target] = self.v[:, :blocks, source]
 
 
 class CacheView:
@@ -41,9 +57,10 @@ class CacheView:
         self.cache = cache
         self.slots = slots
         self.positions = positions
-        self.length = int(positions.max()) + 1
-        keys = torch.arange(self.length, device=positions.device)
-        self.mask = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, length]
+        self.blocks = int(positions.max()) // BLOCK + 1
+        keys = torch.arange(self.blocks * BLOCK, device=positions.device)
+        self.mask = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, blocks * BLOCK]
+        self._block, self._offset = positions // BLOCK, positions % BLOCK
         # Consecutive slots are read as a view; any other set is gathered, which copies every
         # row's history (with `index_select`: advanced indexing is several times slower here).
         first = int(slots[0]) if slots.numel() else 0
@@ -52,17 +69,47 @@ class CacheView:
         )
         self._rows = slice(first, first + len(slots)) if consecutive else slots
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this pass's keys/values ([B, H, T, D]); return each row's slot up to `length`."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this pass's keys/values ([B, KV, T, D]) into the slots, then attend over them."""
         rows = self.slots.unsqueeze(-1)
-        self.cache.k[layer, rows, :, self.positions] = k.transpose(1, 2)
-        self.cache.v[layer, rows, :, self.positions] = v.transpose(1, 2)
-        return self._read(self.cache.k[layer]), self._read(self.cache.v[layer])
+        self.cache.k[layer, self._block, rows, :, self._offset] = k.transpose(1, 2)
+        self.cache.v[layer, self._block, rows, :, self._offset] = v.transpose(1, 2)
+        keys, values = self._read(self.cache.k[layer]), self._read(self.cache.v[layer])
+        if q.shape[2] == 1:
+            return decode_attention(q, keys, values, self.mask)
+        # Prompts: lay the blocks out as rows ([B, KV, keys, D]) for one masked SDPA call.
+        n_heads = q.shape[1]
+        keys, values = (repeat_kv(_rows_of(x), n_heads) for x in (keys, values))
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask)
 
     def _read(self, layer_cache: torch.Tensor) -> torch.Tensor:
-        history = layer_cache[:, :, : self.length]
+        """This batch's blocks in use, [blocks, B, KV, BLOCK, D]."""
+        history = layer_cache[: self.blocks]
         if isinstance(self._rows, slice):
-            return history[self._rows]
-        return history.index_select(0, self._rows)
+            return history[:, self._rows]
+        return history.index_select(1, self._rows)
+
+
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """One query per row over block-major keys/values: [B, H, 1, D], [N, B, KV, BLOCK, D] and a
+    [B, 1, 1, N * BLOCK] mask -> [B, H, 1, D].
+
+    Each block is one batched matmul over dense memory. The query heads that share a key/value
+    head form the rows of that matmul, so grouped-query attention repeats nothing.
+    """
+    n, b, kv, block, d = keys.shape
+    h = q.shape[1]
+    qg = q.reshape(b, kv, h // kv, d)  # [B, KV, group, D]
+    scores = (qg @ keys.transpose(-1, -2)) * d**-0.5  # [N, B, KV, group, BLOCK]
+    scores = scores.permute(1, 2, 3, 0, 4).reshape(b, kv, h // kv, n * block)
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).view(b, kv, h // kv, n, block).permute(3, 0, 1, 2, 4)
+    return (probs @ values).sum(0).reshape(b, h, 1, d)
+
+
+def _rows_of(blocks: torch.Tensor) -> torch.Tensor:
+    """[N, B, KV, BLOCK, D] -> [B, KV, N * BLOCK, D]."""
+    n, b, kv, block, d = blocks.shape
+    return blocks.permute(1, 2, 0, 3, 4).reshape(b, kv, n * block, d)

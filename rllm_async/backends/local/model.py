@@ -21,12 +21,9 @@ class AttentionView(Protocol):
     @property
     def positions(self) -> torch.Tensor: ...  # [B, T] rotary positions
 
-    @property
-    def mask(self) -> torch.Tensor: ...  # [B, 1, T, keys] True where attention is allowed
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...  # [B, H, T, D] queries, [B, KV, T, D] keys/values -> [B, H, T, D]
 
 
 @dataclass(frozen=True)
@@ -89,18 +86,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """One query per row attending to the keys `mask` allows ([B, H, 1, D] -> [B, H, 1, D]).
-
-    Written out because for one query per row it beats SDPA's masked path on the CPU (sampler
-    throughput +13% at batch 64 and 128 new tokens, see docs/benchmarks.md); SDPA stays for many
-    queries and for training, where it is as fast or faster.
-    """
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    return torch.softmax(scores, dim=-1) @ v
+def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Grouped-query keys or values [B, KV, T, D] repeated to one per query head [B, H, T, D]."""
+    return x if x.shape[1] == n_heads else x.repeat_interleave(n_heads // x.shape[1], dim=1)
 
 
 class Attention(nn.Module):
@@ -128,17 +116,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin).transpose(1, 2), rotate(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
-        mask = None
         if view is not None:
-            k, v = view.update(self.layer, k, v)
-            mask = view.mask
-        if self.n_kv != self.n_heads:
-            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-        if t == 1 and mask is not None:
-            y = decode_attention(q, k, v, mask)
+            y = view.attend(self.layer, q, k, v)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            k, v = repeat_kv(k, self.n_heads), repeat_kv(v, self.n_heads)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -13,6 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+
+from rllm_async.backends.local.model import repeat_kv
 
 PAD = -1  # segment id of padding columns
 
@@ -34,11 +37,11 @@ class PackedBatch:
     dest: torch.Tensor  # [N]
     width: int
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention view protocol (see model.py): packed rows have no cache to extend."""
-        return k, v
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention view protocol (see model.py): each row's columns under `mask`."""
+        n_heads = q.shape[1]
+        k, v = repeat_kv(k, n_heads), repeat_kv(v, n_heads)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
 
     def to(self, device: torch.device) -> PackedBatch:
         return PackedBatch(
