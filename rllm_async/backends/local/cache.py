@@ -7,16 +7,16 @@ import torch.nn.functional as F
 
 from rllm_async.backends.local.model import repeat_kv
 
-BLOCK = 32  # positions per cache block
+BLOCK = 32  # positions per cache block: 16 and 64 decoded slower (docs/benchmarks.md)
 
 
 class KVCache:
     """Keys and values of up to `max_batch` sequences of up to `max_seq_len` tokens each.
 
     Stored block-major, [layers, blocks, batch, kv_heads, BLOCK, head_dim]: the first L positions
-    of a run of slots are then a few dense blocks. Decoding reads them about twice as fast as the
-    first L of every row of a [batch, kv_heads, max_seq_len, head_dim] cache, whose scattered rows
-    the CPU's caches and prefetchers handle badly (docs/benchmarks.md).
+    of a run of slots are then a few dense blocks. Decoding attends over them about twice as fast
+    as over the first L positions of every row of a [batch, kv_heads, max_seq_len, head_dim] cache
+    (measured on the CPU, docs/benchmarks.md).
     """
 
     def __init__(
