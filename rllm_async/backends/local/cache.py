@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from rllm_async.backends.local.model import repeat_kv
+from rllm_async.backends.local.model import attention
 
 BLOCK = 32  # positions per cache block: 16 and 64 decoded slower (docs/benchmarks.md)
 
@@ -78,9 +77,7 @@ class CacheView:
         if q.shape[2] == 1:
             return decode_attention(q, keys, values, self.mask)
         # Prompts: lay the blocks out as rows ([B, KV, keys, D]) for one masked SDPA call.
-        n_heads = q.shape[1]
-        keys, values = (repeat_kv(_rows_of(x), n_heads) for x in (keys, values))
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask)
+        return attention(q, _rows_of(keys), _rows_of(values), self.mask)
 
     def _read(self, layer_cache: torch.Tensor) -> torch.Tensor:
         """This batch's blocks in use, [blocks, B, KV, BLOCK, D]."""

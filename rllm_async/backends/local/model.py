@@ -86,9 +86,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Grouped-query keys or values [B, KV, T, D] repeated to one per query head [B, H, T, D]."""
-    return x if x.shape[1] == n_heads else x.repeat_interleave(n_heads // x.shape[1], dim=1)
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """SDPA of [B, H, T, D] queries over [B, KV, S, D] keys/values (grouped-query heads repeated),
+    under a boolean `mask` [B, 1, T, S], or causal when there is none."""
+    n_heads = q.shape[1]
+    if k.shape[1] != n_heads:
+        k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(n_heads // v.shape[1], dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
 class Attention(nn.Module):
@@ -116,11 +123,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin).transpose(1, 2), rotate(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
-        if view is not None:
-            y = view.attend(self.layer, q, k, v)
-        else:
-            k, v = repeat_kv(k, self.n_heads), repeat_kv(v, self.n_heads)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = attention(q, k, v) if view is None else view.attend(self.layer, q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from rllm_async.backends.local.model import repeat_kv
+from rllm_async.backends.local.model import attention
 
 PAD = -1  # segment id of padding columns
 
@@ -39,9 +38,7 @@ class PackedBatch:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention view protocol (see model.py): each row's columns under `mask`."""
-        n_heads = q.shape[1]
-        k, v = repeat_kv(k, n_heads), repeat_kv(v, n_heads)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        return attention(q, k, v, self.mask)
 
     def to(self, device: torch.device) -> PackedBatch:
         return PackedBatch(
