@@ -2,10 +2,11 @@
 
 Both sample 64 sequences (after a warm-up; median of three interleaved runs each) of `--new-tokens` tokens from the `small` preset's architecture (ours) and a
 Qwen2 config of the same width, depth, heads and vocabulary (transformers, random weights), one
-torch thread each. Also measures the learner's training tokens/s and the process's peak memory.
-Prints one JSON line. Needs `transformers` (an optional dependency of this benchmark only).
+torch thread each. Also measures the learner's training tokens/s and the process's peak memory
+(and the GPU's, with `--device cuda`). Prints one JSON line. Needs `transformers` (an optional
+dependency of this benchmark only).
 
-Usage: python benchmarks/local_throughput.py [--batch 64] [--new-tokens 128]
+Usage: python benchmarks/local_throughput.py [--batch 64] [--new-tokens 128] [--device cpu]
 """
 
 from __future__ import annotations
@@ -31,18 +32,18 @@ from rllm_async.types import Step, Trajectory, TrajectoryGroup
 PROMPT_TOKENS = 16
 
 
-def ours(batch: int, new_tokens: int) -> float:
+def ours(batch: int, new_tokens: int, device: torch.device) -> float:
     """Tokens/s of our sampler with `batch` concurrent requests."""
     tok = CharTokenizer()
     model = build_model(preset_config("small", tok.vocab_size), seed=0)
-    store = WeightStore(0, frozen_copy(model, torch.device("cpu"), torch.float32))
+    store = WeightStore(0, frozen_copy(model, device, torch.float32))
     sampler = Sampler(
         store,
         tok,
         stop_ids=(),
         max_batch=batch,
         max_seq_len=PROMPT_TOKENS + new_tokens,
-        device=torch.device("cpu"),
+        device=device,
         dtype=torch.float32,
         threads=1,
         seed=0,
@@ -62,24 +63,28 @@ def ours(batch: int, new_tokens: int) -> float:
         sampler.close()
 
 
-def hf(batch: int, new_tokens: int) -> float:
+def hf(batch: int, new_tokens: int, device: torch.device) -> float:
     """Tokens/s of `transformers` generate() on a Qwen2 of the same shape."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = preset_config("small", CharTokenizer().vocab_size)
-    model = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.dim,
-            intermediate_size=cfg.ffn_dim,
-            num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.n_heads,
-            num_key_value_heads=cfg.kv_heads,
-            max_position_embeddings=PROMPT_TOKENS + new_tokens,
-            tie_word_embeddings=True,
+    model = (
+        Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=cfg.vocab_size,
+                hidden_size=cfg.dim,
+                intermediate_size=cfg.ffn_dim,
+                num_hidden_layers=cfg.n_layers,
+                num_attention_heads=cfg.n_heads,
+                num_key_value_heads=cfg.kv_heads,
+                max_position_embeddings=PROMPT_TOKENS + new_tokens,
+                tie_word_embeddings=True,
+            )
         )
-    ).eval()
-    ids = torch.randint(4, cfg.vocab_size, (batch, PROMPT_TOKENS))
+        .to(device)
+        .eval()
+    )
+    ids = torch.randint(4, cfg.vocab_size, (batch, PROMPT_TOKENS), device=device)
     with torch.no_grad():
         t0 = time.perf_counter()
         out = model.generate(
@@ -90,14 +95,15 @@ def hf(batch: int, new_tokens: int) -> float:
             min_new_tokens=new_tokens,
             pad_token_id=0,
         )
+        _sync(device)
         elapsed = time.perf_counter() - t0
     return (out.shape[1] - PROMPT_TOKENS) * batch / elapsed
 
 
-def training(batch: int, seq_len: int) -> float:
+def training(batch: int, seq_len: int, device: torch.device) -> float:
     """Learner tokens/s (forward + backward + AdamW) on `batch` sequences of `seq_len` tokens."""
     tok = CharTokenizer()
-    model = build_model(preset_config("small", tok.vocab_size), seed=0)
+    model = build_model(preset_config("small", tok.vocab_size), seed=0).to(device)
     learner = Learner(
         model,
         OptimConfig(lr=1e-4),
@@ -120,24 +126,42 @@ def training(batch: int, seq_len: int) -> float:
     for _ in range(3):
         learner.forward_backward(groups, LossConfig())
         learner.optim_step()
+    _sync(device)
     return 3 * batch * seq_len / (time.perf_counter() - t0)
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued GPU work, so that a timer stops when the work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = parser.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(1)
-    ours(args.batch, 8), hf(args.batch, 8)  # warm-up: first-call costs are not throughput
+    n, new = args.batch, args.new_tokens
+    ours(n, 8, device), hf(n, 8, device)  # warm-up: first-call costs are not throughput
     # Interleaved, median of three each, so that drifting load hits both alike.
-    runs = [(ours(args.batch, args.new_tokens), hf(args.batch, args.new_tokens)) for _ in range(3)]
+    runs = [(ours(n, new, device), hf(n, new, device)) for _ in range(3)]
     ours_tps = statistics.median(o for o, _ in runs)
     hf_tps = statistics.median(h for _, h in runs)
-    train_tps = training(args.batch, PROMPT_TOKENS + args.new_tokens)
+    train_tps = training(n, PROMPT_TOKENS + new, device)
+    gpu = {}
+    if device.type == "cuda":
+        gpu = {
+            "gpu": torch.cuda.get_device_name(device),
+            "peak_gpu_mib": round(torch.cuda.max_memory_allocated(device) / 2**20),
+        }
     print(
         json.dumps(
             {
+                "device": args.device,
+                **gpu,
                 "batch": args.batch,
                 "new_tokens": args.new_tokens,
                 "sampler_tokens_per_s": round(ours_tps),
