@@ -22,4 +22,4 @@ class Callback:
         """After each optimizer step, with that step's metrics record."""
 
     def on_eval_end(self, step: int, metrics: dict[str, float]) -> None:
-        """After each evaluation, with its metrics."""
+        """After each evaluation, with the step (policy version) it scored and its metrics."""

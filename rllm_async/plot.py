@@ -15,7 +15,8 @@ PANELS: list[tuple[str, list[str]]] = [
 
 
 def read_records(run_dir: Path) -> list[dict[str, float]]:
-    """The run's step records, the later record of a step winning (a resumed run redoes steps)."""
+    """The run's step records, one per step: a step's later records update its earlier ones (a
+    resumed run redoes steps; a run whose data ran out adds its final evaluation to its last step)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory (runs/<name>)?")
@@ -27,7 +28,7 @@ def read_records(run_dir: Path) -> list[dict[str, float]]:
             record = json.loads(line)
         except json.JSONDecodeError:
             raise ValueError(f"{path}:{lineno} is not a JSON object") from None
-        by_step[int(record["step"])] = record
+        by_step.setdefault(int(record["step"]), {}).update(record)
     return [by_step[s] for s in sorted(by_step)]
 
 

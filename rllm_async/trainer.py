@@ -154,6 +154,8 @@ class UnifiedTrainer:
         self._filtered_in_a_row = 0
         self._last_error = ""
         self._checkpointed = -1
+        self._eval_task: asyncio.Task[dict[str, float]] | None = None
+        self._evaluated_version = -1
         self._resume_from = self._find_resume_checkpoint()
         self.metrics = MetricsAggregator(self._sinks())
         self._fit_start = self._step_start = loop.time()
@@ -330,16 +332,26 @@ class UnifiedTrainer:
 
     async def _train(self, generation: asyncio.Task[None]) -> None:
         try:
-            while self.coordinator.version < self.config.train.total_steps:
-                if not await self._train_step():
-                    if (
-                        self.config.checkpoint.at_end
-                        and self._checkpointed != self.coordinator.version
-                    ):
-                        await self.save_checkpoint()
-                    break
+            # Evaluations run beside training (see `_after_step`); this scope owns them.
+            async with asyncio.TaskGroup() as self._eval_scope:
+                while self.coordinator.version < self.config.train.total_steps:
+                    if not await self._train_step():
+                        await self._close_after_data_end()
+                        break
         finally:
             generation.cancel()
+
+    async def _close_after_data_end(self) -> None:
+        """The data ran out after the last step's record was written: an evaluation still running
+        and the final one each get one more record of that step; then the final checkpoint."""
+        cfg, version = self.config, self.coordinator.version
+        if await self._collect_eval(wait=True):
+            self._flush_extra_record(version)
+        if cfg.eval.at_end and self.eval_tasks and self._evaluated_version != version:
+            self.metrics.record_many(await self.evaluate(), "last")
+            self._flush_extra_record(version)
+        if cfg.checkpoint.at_end and self._checkpointed != version:
+            await self.save_checkpoint()
 
     async def _train_step(self) -> bool:
         """Consume one step's groups, streaming micro-batches; False when the data ran out."""
@@ -421,9 +433,8 @@ class UnifiedTrainer:
         m.record("tokens/per_s", self._step_tokens / step_s, "last")
         m.record("data/epoch", self.source.epoch, "last")
         m.record("train/groups", num_groups, "last")
-        every = cfg.eval.every_steps
-        if self.eval_tasks and ((every and step % every == 0) or (last and cfg.eval.at_end)):
-            m.record_many(await self.evaluate(), "last")
+        if self.eval_tasks:
+            await self._evaluate_after_step(step)
         record = m.flush(step)
         self.records.append(record)
         for cb in self.callbacks:
@@ -435,7 +446,41 @@ class UnifiedTrainer:
         self._step_counts = coord.snapshot()
         self._step_episodes = self._step_tokens = 0
 
+    def _flush_extra_record(self, step: int) -> None:
+        """One more record of `step`, for evaluations that finished after its record was written."""
+        elapsed = asyncio.get_running_loop().time() - self._fit_start
+        self.metrics.record("time/elapsed_s", elapsed, "last")
+        self.records.append(self.metrics.flush(step))
+
     # -- evaluation ----------------------------------------------------------------------------
+
+    async def _evaluate_after_step(self, step: int) -> None:
+        """Evaluate when due. An evaluation runs beside the next steps and lands in the first
+        record written after it finishes; near the end (and for the final one) it runs inline,
+        so that the last records hold every evaluation. The data running out early is handled
+        by `_close_after_data_end`."""
+        cfg = self.config
+        total, every = cfg.train.total_steps, cfg.eval.every_steps
+        due = (every and step % every == 0) or (step >= total and cfg.eval.at_end)
+        ending = step + 1 >= total
+        # At most one evaluation runs beside training: a due one waits for the previous.
+        await self._collect_eval(wait=bool(due) or ending)
+        if due and ending:
+            self.metrics.record_many(await self.evaluate(), "last")
+        elif due:
+            self._eval_task = self._eval_scope.create_task(
+                self.evaluate(), name=f"rllm-async:evaluation-{step}"
+            )
+
+    async def _collect_eval(self, *, wait: bool) -> bool:
+        """Record the metrics of the evaluation running beside training if it has finished (or,
+        with `wait`, once it finishes) into the current step's record; True if it recorded any."""
+        task = self._eval_task
+        if task is None or not (wait or task.done()):
+            return False
+        self._eval_task = None
+        self.metrics.record_many(await task, "last")
+        return True
 
     async def _evaluate_at_start(self) -> None:
         """Score the starting policy as a record of step 0, outside the timed run."""
@@ -456,7 +501,7 @@ class UnifiedTrainer:
             top_p=1.0,
             max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
         )
-        version = self.policy.acquire()
+        version = self._evaluated_version = self.policy.acquire()
         slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
 
         async def one(task: dict[str, Any]) -> Episode | None:
@@ -495,7 +540,7 @@ class UnifiedTrainer:
             if judged:
                 out["eval/accuracy"] = sum(judged) / len(judged)
         for cb in self.callbacks:
-            cb.on_eval_end(self.coordinator.version, out)
+            cb.on_eval_end(version, out)
         return out
 
     async def evaluate_checkpoint(self, path: Path | None) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from rllm_async import Callback, SingleTurnWorkflow
 from rllm_async.config import DatasetConfig
 from rllm_async.data import DataError, load_tasks
+from rllm_async.plot import read_records
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.vclock import run
 from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
@@ -37,31 +39,79 @@ class Recorder(Callback):
         self.calls.append(("eval_end", step, metrics["eval/policy_version"]))
 
 
-def test_eval_every_n_steps_on_one_pinned_version_and_callbacks(tmp_path) -> None:
-    rec = Recorder()
-    backend = FakeBackend(latency=lambda: 0.5, train_s=0.1)
+class SlowEval(ScriptedWorkflow):
+    """Evaluation rollouts (task ids `e*`) take `eval_s` seconds."""
+
+    def __init__(self, eval_s: float) -> None:
+        super().__init__()
+        self.eval_s = eval_s
+
+    async def run(self, task, ctx):
+        if task["id"].startswith("e"):
+            await asyncio.sleep(self.eval_s)
+        return await super().run(task, ctx)
+
+
+def _eval_run(tmp_path, every: int, *, eval_s: float = 0.0, epochs=None, callbacks=()):
+    """An async run of 6 steps of 2 groups on the fake backend, evaluating every `every` steps."""
     cfg = make_config(
         tmp_path,
-        train={"total_steps": 4, "groups_per_step": 2, "micro_batch_groups": 1},
-        eval={"every_steps": 2},
+        train={"total_steps": 6, "groups_per_step": 2, "total_epochs": epochs},
+        eval={"every_steps": every, "at_end": every > 0},
     )
+    backend = FakeBackend(latency=lambda: 0.5, train_s=0.1)
     trainer = UnifiedTrainer(
         cfg,
         backend=backend,
-        workflow=ScriptedWorkflow(),
-        callbacks=[rec],
+        workflow=SlowEval(eval_s),
+        callbacks=list(callbacks),
         train_tasks=tasks(6),
         eval_tasks=[{"id": f"e{i}"} for i in range(5)],
     )
-    records = run(trainer.fit(), virtual=True)
+    return backend, run(trainer.fit(), virtual=True)
+
+
+def test_eval_every_n_steps_on_one_pinned_version_and_callbacks(tmp_path) -> None:
+    rec = Recorder()
+    backend, records = _eval_run(tmp_path, 2, callbacks=[rec])
     evals = [(r["step"], r["eval/policy_version"], r["eval/n"]) for r in records if "eval/n" in r]
-    assert evals == [(2, 2.0, 5.0), (4, 4.0, 5.0)]
-    assert ("eval_end", 2, 2.0) in rec.calls and ("eval_end", 4, 4.0) in rec.calls
-    assert rec.calls[0] == ("train_start", 0) and rec.calls[-1] == ("train_end", 4)
-    assert [c[1] for c in rec.calls if c[0] == "step_end"] == [1, 2, 3, 4]
+    # Each evaluation scores the version of the step it was due at and lands in the first record
+    # written after it finishes; the one before the last step and the final one are waited for.
+    assert [(v, n) for _, v, n in evals] == [(2.0, 5.0), (4.0, 5.0), (6.0, 5.0)]
+    assert evals[0][0] in (3, 4) and evals[1][0] == 5 and evals[2][0] == 6
+    assert [c[1:] for c in rec.calls if c[0] == "eval_end"] == [(2, 2.0), (4, 4.0), (6, 6.0)]
+    assert rec.calls[0] == ("train_start", 0) and rec.calls[-1] == ("train_end", 6)
+    assert [c[1] for c in rec.calls if c[0] == "step_end"] == [1, 2, 3, 4, 5, 6]
     assert ("epoch_start", 0) in rec.calls and ("epoch_end", 0) in rec.calls
     assert ("epoch_start", 1) in rec.calls
-    assert backend.policy().live == {}, "the eval snapshot is released"
+    assert backend.policy().live == {}, "the eval snapshots are released"
+
+
+def test_an_evaluation_runs_beside_training_without_holding_it_up(tmp_path) -> None:
+    _, plain = _eval_run(tmp_path / "plain", 0)
+    _, evaluated = _eval_run(tmp_path / "evaluated", 2, eval_s=3.0)
+    elapsed = {r["step"]: r["time/elapsed_s"] for r in evaluated if "time/step_s" in r}
+    # Steps 1-4 keep their pace while the 3-second evaluation of version 2 runs. Then each due
+    # evaluation waits for the one before (step 4), the step before the last waits for the one
+    # of version 4 (step 5), and the last step runs the final one inline.
+    assert [elapsed[s] for s in (1, 2, 3, 4)] == pytest.approx(
+        [r["time/elapsed_s"] for r in plain[:4]]
+    )
+    lands = {r["eval/policy_version"]: r["step"] for r in evaluated if "eval/n" in r}
+    assert lands == {2.0: 4, 4.0: 5, 6.0: 6}
+    assert elapsed[6] - elapsed[5] >= 3.0 and elapsed[5] - elapsed[4] >= 2.0
+
+
+def test_evaluations_after_the_data_ran_out_get_records_of_the_last_step(tmp_path) -> None:
+    # One epoch of 6 tasks is 3 steps of the 6 asked for: the data ends first.
+    backend, records = _eval_run(tmp_path, 2, eval_s=3.0, epochs=1)
+    assert [r["step"] for r in records] == [1, 2, 3, 3, 3]
+    assert [r.get("eval/policy_version") for r in records] == [None, None, None, 2.0, 3.0]
+    assert records[-1]["time/elapsed_s"] >= records[-2]["time/elapsed_s"] + 3.0
+    assert backend.policy().live == {}
+    merged = read_records(tmp_path / "runs" / "test")
+    assert [r["step"] for r in merged] == [1, 2, 3]
+    assert merged[-1]["eval/policy_version"] == 3.0 and "time/step_s" in merged[-1]
 
 
 def test_eval_at_start_scores_the_starting_policy_outside_the_timed_run(tmp_path) -> None:
