@@ -469,7 +469,7 @@ class UnifiedTrainer:
             self.metrics.record_many(await self.evaluate(), "last")
         elif due:
             self._eval_task = self._eval_scope.create_task(
-                self.evaluate(), name=f"rllm-async:evaluation-{step}"
+                self.evaluate(background=True), name=f"rllm-async:evaluation-{step}"
             )
 
     async def _collect_eval(self, *, wait: bool) -> bool:
@@ -489,8 +489,9 @@ class UnifiedTrainer:
         self.records.append(self.metrics.flush(0))
         self._fit_start = self._step_start = asyncio.get_running_loop().time()
 
-    async def evaluate(self) -> dict[str, float]:
-        """Run every eval task once on one pinned policy version; returns `eval/*` metrics."""
+    async def evaluate(self, *, background: bool = False) -> dict[str, float]:
+        """Run every eval task once on one pinned policy version; returns `eval/*` metrics.
+        `background`: its requests queue behind rollouts (`SamplingParams.priority` 1)."""
         if not self.eval_tasks:
             return {}
         cfg = self.config
@@ -500,6 +501,7 @@ class UnifiedTrainer:
             temperature=cfg.eval.temperature,
             top_p=1.0,
             max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
+            priority=int(background),
         )
         version = self._evaluated_version = self.policy.acquire()
         slots = asyncio.Semaphore(cfg.rollout.max_concurrency)

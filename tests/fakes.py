@@ -40,6 +40,7 @@ class FakePolicy:
         self.latency = latency
         self.live: dict[int, int] = {}
         self.calls = 0
+        self.priorities: list[int] = []  # SamplingParams.priority of every request
 
     @property
     def tokenizer(self) -> ByteTokenizer:
@@ -58,6 +59,7 @@ class FakePolicy:
         self, prompt_ids: list[int], params: SamplingParams, *, version: int | None = None
     ) -> Completion:
         self.calls += 1
+        self.priorities.append(params.priority)
         delay = self.latency()
         if delay > 0:
             await asyncio.sleep(delay)

@@ -203,6 +203,30 @@ def test_cancelled_request_frees_its_slot_and_close_is_idempotent() -> None:
     asyncio.run(main())
 
 
+def test_free_slots_go_to_lower_priority_values_first_then_in_arrival_order() -> None:
+    async def main() -> None:
+        backend = make_backend(max_batch=1)  # one slot: requests are admitted one at a time
+        policy = backend.policy()
+        p = prompt(backend, "priority")
+        order: list[int] = []
+        priorities = [1, 0, 1, 0, 0, 1, 1, 0]
+        # The decode thread cannot admit anything while we hold its lock (reentrant for us), so
+        # every request is queued before the first is admitted.
+        with backend.sampler._wake:
+            calls = []
+            for i, priority in enumerate(priorities):
+                params = SamplingParams(max_tokens=2, seed=i, priority=priority)
+                call = asyncio.ensure_future(policy.generate(p, params))
+                call.add_done_callback(lambda _, i=i: order.append(i))
+                calls.append(call)
+            await asyncio.sleep(0)  # each call queues its request
+        await asyncio.wait_for(asyncio.gather(*calls), 30)
+        assert order == [1, 3, 4, 7, 0, 2, 5, 6]
+        await backend.close()
+
+    asyncio.run(main())
+
+
 def test_batched_sampling_follows_the_distribution_and_top_p() -> None:
     import random
 

@@ -85,6 +85,8 @@ def test_eval_every_n_steps_on_one_pinned_version_and_callbacks(tmp_path) -> Non
     assert ("epoch_start", 0) in rec.calls and ("epoch_end", 0) in rec.calls
     assert ("epoch_start", 1) in rec.calls
     assert backend.policy().live == {}, "the eval snapshots are released"
+    # The evaluations of versions 2 and 4 ran beside training, queued behind rollouts.
+    assert backend.policy().priorities.count(1) == 2 * 5
 
 
 def test_an_evaluation_runs_beside_training_without_holding_it_up(tmp_path) -> None:

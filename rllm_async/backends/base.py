@@ -24,6 +24,9 @@ class SamplingParams:
     max_tokens: int = 64
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    # Lower is served first where a backend queues requests (the local sampler); evaluations
+    # running beside training use 1, so that rollouts go first.
+    priority: int = 0
 
     def updated(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied (a hot path: cheaper than dataclasses.replace)."""
@@ -39,10 +42,11 @@ class SamplingParams:
             get("max_tokens", self.max_tokens),
             tuple(get("stop", self.stop)),
             get("seed", self.seed),
+            get("priority", self.priority),
         )
 
 
-_SAMPLING_FIELDS = frozenset(("temperature", "top_p", "max_tokens", "stop", "seed"))
+_SAMPLING_FIELDS = frozenset(("temperature", "top_p", "max_tokens", "stop", "seed", "priority"))
 
 
 @dataclass(slots=True)

@@ -2,7 +2,8 @@
 
 Requests from many asyncio workflows join the batch between decode steps and leave it as soon as
 they finish; each occupies one slot of a KV cache. Requests on different weight versions (pinned
-episodes) share the cache but are decoded in one forward pass per version.
+episodes) share the cache but are decoded in one forward pass per version. Free slots go to queued
+requests by `SamplingParams.priority`, then in arrival order.
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import heapq
+import itertools
 import random
 import threading
 import weakref
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -84,7 +85,9 @@ class Sampler:
         )
         self._free = list(range(max_batch))
         self.peak_batch = 0  # most requests decoded in one step, for tests and benchmarks
-        self._pending: deque[_Request] = deque()
+        # Queued requests by (priority, arrival): lower priority first, then first come.
+        self._pending: list[tuple[int, int, _Request]] = []
+        self._arrivals = itertools.count()
         self._active: list[_Request] = []
         self._wake = threading.Condition()
         self._closed = threading.Event()
@@ -120,7 +123,7 @@ class Sampler:
         with self._wake:
             if self._closed.is_set():
                 raise RuntimeError("the sampler is closed")
-            self._pending.append(request)
+            heapq.heappush(self._pending, (params.priority, next(self._arrivals), request))
             self._wake.notify()
         return await asyncio.wrap_future(future)
 
@@ -138,7 +141,7 @@ class Sampler:
                     break
                 joiners = []
                 while self._pending and self._free:
-                    request = self._pending.popleft()
+                    request = heapq.heappop(self._pending)[2]
                     if not request.future.cancelled():
                         request.slot = heapq.heappop(self._free)  # lowest first: compact
                         joiners.append(request)
@@ -151,7 +154,7 @@ class Sampler:
                     self._finish(request, error=e)
                 self._active = []
         with self._wake:
-            leftover = [*self._pending, *self._active]
+            leftover = [*(queued[2] for queued in self._pending), *self._active]
             self._pending.clear()
         for request in leftover:
             self._finish(request, error=RuntimeError("the sampler was closed"))
