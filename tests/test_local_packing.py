@@ -78,8 +78,32 @@ def test_packed_gradient_equals_unpacked_gradient() -> None:
 
 def test_rows_stay_within_twice_the_longest_sequence() -> None:
     prompt = list(range(4))
-    seqs = [[*prompt, 5, 6, 7, 8] for _ in range(6)]  # 8 tokens: 7 inputs each
+    seqs = [[*prompt, 10 + i, 6, 7, 8] for i in range(6)]  # 8 tokens: 7 inputs each
     batch = pack(seqs, [4] * 6)
     # A row holds the prompt and completions while it stays within 14 columns: 4 + 3 * 3 = 13.
     assert batch.inputs.shape == (2, 13)
-    assert batch.targets.tolist() == [5, 6, 7, 8] * 6
+    assert batch.targets.tolist() == [t for i in range(6) for t in (10 + i, 6, 7, 8)]
+
+
+def test_repeated_sequences_share_columns_and_keep_their_own_logprobs_and_gradients() -> None:
+    seqs, starts = _groups(2)
+    # Repeat a grouped completion twice and the lone sequence once, interleaved with the rest.
+    repeated = [*seqs[:2], seqs[1], *seqs[2:], seqs[1], seqs[-1]]
+    repeated_starts = [*starts[:2], starts[1], *starts[2:], starts[1], starts[-1]]
+    model = build_model(preset_config("tiny", VOCAB), seed=0)
+    assert torch.equal(pack(repeated, repeated_starts).inputs, pack(seqs, starts).inputs)
+
+    weights = torch.randn(len(repeated), max(len(s) for s in repeated) - 1)
+    _, logprobs = _packed_logprobs(model, repeated, repeated_starts)
+    (logprobs * weights).sum().backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    total = 0.0
+    for i, seq in enumerate(repeated):
+        first, last = repeated_starts[i] - 1, len(seq) - 1
+        own = _own_logprobs(model, seq)[first:]
+        torch.testing.assert_close(logprobs[i, first:last], own.detach())
+        total = total + (own * weights[i, first:last]).sum()
+    total.backward()
+    for a, b in zip(packed_grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

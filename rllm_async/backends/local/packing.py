@@ -5,6 +5,11 @@ A packed row is `prompt | completion 1 | completion 2 | ...`; each completion at
 prompt and to itself, and its rotary positions continue from the prompt's end, so every token
 sees exactly the context (and positions) it has in its own unpacked sequence. On countdown (a
 40-token prompt, 5-token answers, 8 per group) a group costs 80 tokens instead of 360.
+
+Identical sequences (same tokens, same first trained token) are laid out once and read by each of
+them: their logprobs are the same, and the gradient through the shared columns is the sum of
+theirs, exactly as if each had its own. A group whose samples agree, common once a policy has
+learned a task, costs little more than its prompt.
 """
 
 from __future__ import annotations
@@ -55,13 +60,19 @@ class PackedBatch:
 def pack(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> PackedBatch:
     """Pack `sequences` whose first trained token is at `starts[i]` (so tokens before it are the
     prompt). Sequences with the same prompt share a row while it stays within twice the longest
-    sequence, which bounds the cost of attending across a long row."""
+    sequence, which bounds the cost of attending across a long row; repeats share columns."""
     width = max(len(s) for s in sequences) - 1
     cap = 2 * width
     rows: list[tuple[list[int], list[int]]] = []  # (prompt tokens, member sequence indices)
     by_prompt: dict[tuple[int, ...], int] = {}  # prompt -> its open row
+    first_of: dict[tuple[tuple[int, ...], int], int] = {}  # (tokens, start) -> first such index
+    repeats: list[tuple[int, int]] = []  # (index, index of its first occurrence)
     for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
         start = max(start, 1)  # the first token is never predicted
+        first = first_of.setdefault((tuple(seq), start), i)
+        if first != i:
+            repeats.append((i, first))
+            continue
         key = tuple(seq[:start])
         r = by_prompt.get(key)
         if r is None or _row_len(rows[r], sequences) + len(seq) - 1 - start > cap:
@@ -76,6 +87,7 @@ def pack(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> PackedBat
     index: list[int] = []
     targets: list[int] = []
     dest: list[int] = []
+    laid_out: dict[int, tuple[int, list[int]]] = {}  # sequence -> (prompt length, its columns)
     for r, (prompt, members) in enumerate(rows):
         p = len(prompt)
         inputs[r, :p] = torch.tensor(prompt)
@@ -90,10 +102,13 @@ def pack(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> PackedBat
             positions[r, col:end] = torch.arange(p, p + len(suffix))
             segments[r, col:end] = segment
             # Token p is predicted by the prompt's last column, token p + 1 + j by column col + j.
-            index += [r * length + p - 1, *range(r * length + col, r * length + end)]
-            targets += list(seq[p:])
-            dest += range(i * width + p - 1, i * width + len(seq) - 1)
+            laid_out[i] = p, [r * length + p - 1, *range(r * length + col, r * length + end)]
             col = end
+    for i, first in [(i, i) for i in laid_out] + repeats:
+        p, columns = laid_out[first]
+        index += columns
+        targets += sequences[i][p:]
+        dest += range(i * width + p - 1, i * width + len(sequences[i]) - 1)
     query, keys = segments.unsqueeze(2), segments.unsqueeze(1)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     mask = causal & ((keys == 0) | (keys == query))  # the prompt, or the query's own completion
