@@ -66,12 +66,11 @@ def pack(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> PackedBat
     rows: list[tuple[list[int], list[int]]] = []  # (prompt tokens, member sequence indices)
     by_prompt: dict[tuple[int, ...], int] = {}  # prompt -> its open row
     first_of: dict[tuple[tuple[int, ...], int], int] = {}  # (tokens, start) -> first such index
-    repeats: list[tuple[int, int]] = []  # (index, index of its first occurrence)
+    source: list[int] = []  # sequence -> the sequence whose columns it reads (itself if laid out)
     for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
         start = max(start, 1)  # the first token is never predicted
-        first = first_of.setdefault((tuple(seq), start), i)
-        if first != i:
-            repeats.append((i, first))
+        source.append(first_of.setdefault((tuple(seq), start), i))
+        if source[i] != i:
             continue
         key = tuple(seq[:start])
         r = by_prompt.get(key)
@@ -104,11 +103,11 @@ def pack(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> PackedBat
             # Token p is predicted by the prompt's last column, token p + 1 + j by column col + j.
             laid_out[i] = p, [r * length + p - 1, *range(r * length + col, r * length + end)]
             col = end
-    for i, first in [(i, i) for i in laid_out] + repeats:
-        p, columns = laid_out[first]
+    for i, seq in enumerate(sequences):
+        p, columns = laid_out[source[i]]
         index += columns
-        targets += sequences[i][p:]
-        dest += range(i * width + p - 1, i * width + len(sequences[i]) - 1)
+        targets += seq[p:]
+        dest += range(i * width + p - 1, i * width + len(seq) - 1)
     query, keys = segments.unsqueeze(2), segments.unsqueeze(1)
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     mask = causal & ((keys == 0) | (keys == query))  # the prompt, or the query's own completion
