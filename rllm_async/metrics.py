@@ -118,7 +118,8 @@ class JsonlSink:
 
 
 class ProgressBarSink:
-    """A tqdm bar over optimizer steps with reward and staleness in its postfix."""
+    """A tqdm bar over optimizer steps with reward, held-out accuracy (where the task judges
+    correctness; else held-out reward) and staleness in its postfix."""
 
     def __init__(self, total: int, initial: int = 0, desc: str = "train") -> None:
         from tqdm.auto import tqdm
@@ -129,7 +130,7 @@ class ProgressBarSink:
         postfix = {}
         for key, short in (
             ("reward/mean", "reward"),
-            ("eval/reward/mean", "eval"),
+            ("eval/accuracy" if "eval/accuracy" in record else "eval/reward/mean", "eval"),
             ("staleness/mean", "stale"),
             ("staleness/max", "stale_max"),
         ):

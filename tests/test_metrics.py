@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rllm_async.metrics import JsonlSink, MetricsAggregator
+from rllm_async.metrics import JsonlSink, MetricsAggregator, ProgressBarSink
 
 
 def test_each_reduction_is_the_declared_one() -> None:
@@ -105,3 +105,16 @@ def test_wandb_sink_logs_offline_without_a_key(tmp_path, monkeypatch) -> None:
     offline = list((cfg.run_path / "wandb").glob("offline-run-*"))
     assert len(offline) == 1, "an offline run directory is written inside the run directory"
     assert list(offline[0].glob("*.wandb")), "with its log of the records"
+
+
+def test_progress_bar_shows_held_out_accuracy_where_the_task_judges_it(capsys) -> None:
+    bar = ProgressBarSink(total=4)
+    bar.write({"step": 1.0, "reward/mean": 0.25, "staleness/mean": 1.0})
+    bar.write({"step": 2.0, "eval/reward/mean": 0.559, "eval/accuracy": 0.51})
+    bar.close()
+    final = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "eval=0.51" in final and "0.559" not in final
+    unjudged = ProgressBarSink(total=4)  # a task without a correctness judge: held-out reward
+    unjudged.write({"step": 1.0, "eval/reward/mean": 0.559})
+    unjudged.close()
+    assert "eval=0.559" in capsys.readouterr().err
