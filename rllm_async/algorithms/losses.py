@@ -100,14 +100,13 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cfg: LossConfig,
-    kl_ref: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
 ) -> LossOutput:
     """The summed loss over loss tokens of a padded batch of sequences.
 
     All inputs are [S, T] aligned per token: the trainer's logprobs of the sampled tokens (with
-    grad), the sampler's logprobs, per-token advantages, a 0/1 loss mask, and optionally the KL to
-    a frozen reference model at each position (with grad, see `reference_kl`) for the `kl_coef`
-    penalty.
+    grad), the sampler's logprobs, per-token advantages, a 0/1 loss mask, and optionally a frozen
+    reference model's logprobs for the `kl_coef` penalty.
     """
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - sampler_logprobs) * mask
@@ -138,7 +137,8 @@ def policy_loss(
 
     per_token = factor * pg
     stats.add("policy", float((per_token.detach() * mask).sum()))
-    if kl_ref is not None and cfg.kl_coef > 0:
+    if ref_logprobs is not None and cfg.kl_coef > 0:
+        kl_ref = _k3(ref_logprobs - logprobs)
         per_token = per_token + cfg.kl_coef * kl_ref
         stats.add("kl_ref", float((kl_ref.detach() * mask).sum()))
 
@@ -154,18 +154,6 @@ def policy_loss(
         stats.weight_min = float(weight[on].min())
         stats.weight_max = float(weight[on].max())
     return LossOutput(loss_sum=(per_token * mask).sum(), stats=stats)
-
-
-def reference_kl(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """KL(reference || policy) at each position, exactly, from both models' log-probabilities
-    over the whole vocabulary ([..., V] -> [...]).
-
-    Its gradient, -sum_v ref_v * grad log pi_v, is what the k3 estimator used as a loss on sampled
-    tokens gives in expectation, without that estimator's variance: a sampled token the policy now
-    finds far less likely than the reference does scales k3's gradient by ref/pi, which spiked
-    single steps' gradient norms into the thousands (docs/local.md).
-    """
-    return (ref_logprobs.exp() * (ref_logprobs - logprobs)).sum(-1)
 
 
 def _k3(log_q_over_p: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rllm_async.algorithms.losses import LossStats, policy_loss, reference_kl
+from rllm_async.algorithms.losses import LossStats, policy_loss
 from rllm_async.algorithms.schedule import learning_rate
 from rllm_async.backends.local.model import Transformer
 from rllm_async.backends.local.packing import PackedBatch, pack
@@ -128,24 +128,23 @@ class Learner:
         packed = packed.to(self._device)
         mask, sampler_lp, adv = self._batch(rows, packed.width)
         with self._autocast():
-            log_probs = self._log_probs(self.model, packed)
-            chosen = log_probs.gather(-1, packed.targets.unsqueeze(-1))[:, 0]
-            logprobs = _unpack(chosen, packed, len(rows))
-            kl = None
+            logprobs = self._logprobs(self.model, packed, len(rows))
+            ref = None
             if self.ref_model is not None and loss.kl_coef > 0:
                 with torch.no_grad():
-                    ref = self._log_probs(self.ref_model, packed)
-                kl = _unpack(reference_kl(ref, log_probs), packed, len(rows))
-        out = policy_loss(logprobs, sampler_lp, adv, mask, loss, kl_ref=kl)
+                    ref = self._logprobs(self.ref_model, packed, len(rows))
+        out = policy_loss(logprobs, sampler_lp, adv, mask, loss, ref_logprobs=ref)
         if out.stats.tokens > 0:
             out.loss_sum.backward()
         return out.stats
 
-    def _log_probs(self, model: Transformer, packed: PackedBatch) -> torch.Tensor:
-        """Next-token log-probabilities over the vocabulary at every prediction of `packed`, [N, V]."""
+    def _logprobs(self, model: Transformer, packed: PackedBatch, n_rows: int) -> torch.Tensor:
+        """Logprobs of every predicted token, in the unpacked [rows, width] next-token layout."""
         hidden = model.hidden(packed.inputs, packed).flatten(0, 1)[packed.index]
         logits = model.lm_head(hidden).float() / self.temperature
-        return torch.log_softmax(logits, dim=-1)
+        chosen = torch.log_softmax(logits, dim=-1).gather(-1, packed.targets.unsqueeze(-1))
+        flat = chosen.new_zeros(n_rows * packed.width).index_copy(0, packed.dest, chosen[:, 0])
+        return flat.view(n_rows, packed.width)
 
     def _batch(self, rows: list[_Row], width: int) -> tuple[torch.Tensor, ...]:
         """Right-padded next-token tensors: loss mask, sampler logprobs, advantages."""
@@ -162,12 +161,6 @@ class Learner:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self._device.type, dtype=self.compute_dtype)
-
-
-def _unpack(values: torch.Tensor, packed: PackedBatch, n_rows: int) -> torch.Tensor:
-    """Per-prediction values [N] laid out as the unpacked next-token rows [n_rows, width]."""
-    flat = values.new_zeros(n_rows * packed.width).index_copy(0, packed.dest, values)
-    return flat.view(n_rows, packed.width)
 
 
 def _rows(groups: list[TrajectoryGroup]) -> Iterator[_Row]:
