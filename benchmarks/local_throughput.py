@@ -113,11 +113,13 @@ def training(batch: int, seq_len: int, device: torch.device) -> float:
         compute_dtype=torch.float32,
     )
     half = seq_len // 2
+    # Distinct completions after one shared prompt: the learner lays identical sequences out once,
+    # so repeats would measure less work than they claim.
+    gen = torch.Generator().manual_seed(0)
+    completions = torch.randint(4, tok.vocab_size, (batch, half), generator=gen).tolist()
     trajs = [
-        Trajectory(
-            steps=[Step([5] * half, [6] * half, [-1.0] * half, [0] * half)], reward=float(i % 2)
-        )
-        for i in range(batch)
+        Trajectory(steps=[Step([5] * half, c, [-1.0] * half, [0] * half)], reward=float(i % 2))
+        for i, c in enumerate(completions)
     ]
     groups = [TrajectoryGroup("t", "default", trajs, [t.reward - 0.5 for t in trajs])]
     learner.forward_backward(groups, LossConfig())  # warm-up
