@@ -1,12 +1,14 @@
 """Local backend throughput: our KV-cache sampler vs `transformers` generate() on a same-size model.
 
-Both sample 64 sequences (after a warm-up; median of three interleaved runs each) of `--new-tokens` tokens from the `small` preset's architecture (ours) and a
-Qwen2 config of the same width, depth, heads and vocabulary (transformers, random weights), one
-torch thread each. Also measures the learner's training tokens/s and the process's peak memory
+Both sample 64 sequences of `--new-tokens` tokens, ours from the `small` preset's architecture and
+`transformers` from a Qwen2 config of the same width, depth, heads and vocabulary (random weights),
+one torch thread each; after a warm-up, in `--repeats` back-to-back pairs, and the speedup is the
+median of the pairs' ratios. Also measures the learner's training tokens/s and the process's peak memory
 (and the GPU's, with `--device cuda`). Prints one JSON line. Needs `transformers` (an optional
 dependency of this benchmark only).
 
-Usage: python benchmarks/local_throughput.py [--batch 64] [--new-tokens 128] [--device cpu]
+Usage: python benchmarks/local_throughput.py [--batch 64] [--new-tokens 128] [--repeats 11]
+                                            [--device cpu]
 """
 
 from __future__ import annotations
@@ -142,16 +144,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=11, help="back-to-back pairs of runs")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(1)
     n, new = args.batch, args.new_tokens
     ours(n, 8, device), hf(n, 8, device)  # warm-up: first-call costs are not throughput
-    # Interleaved, median of three each, so that drifting load hits both alike.
-    runs = [(ours(n, new, device), hf(n, new, device)) for _ in range(3)]
-    ours_tps = statistics.median(o for o, _ in runs)
-    hf_tps = statistics.median(h for _, h in runs)
+    # Each run takes a second or two, and a shared machine's speed drifts over minutes: the ratio
+    # of a back-to-back pair sees the same drift on both sides, and the median of many pairs
+    # shrugs off the pairs a burst of load hit on one side only.
+    runs = [(ours(n, new, device), hf(n, new, device)) for _ in range(args.repeats)]
+    ratios = sorted(o / h for o, h in runs)
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     train_tps = training(n, PROMPT_TOKENS + new, device)
     gpu = {}
     if device.type == "cuda":
@@ -166,9 +171,11 @@ def main() -> None:
                 **gpu,
                 "batch": args.batch,
                 "new_tokens": args.new_tokens,
-                "sampler_tokens_per_s": round(ours_tps),
-                "hf_generate_tokens_per_s": round(hf_tps),
-                "sampler_speedup_vs_hf": round(ours_tps / hf_tps, 2),
+                "sampler_tokens_per_s": round(statistics.median(o for o, _ in runs)),
+                "hf_generate_tokens_per_s": round(statistics.median(h for _, h in runs)),
+                "sampler_speedup_vs_hf": round(statistics.median(ratios), 2),
+                "speedup_quartiles": [round(quartiles[0], 2), round(quartiles[2], 2)],
+                "speedup_range": [round(ratios[0], 2), round(ratios[-1], 2)],
                 "train_tokens_per_s": round(train_tps),
                 "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
             }

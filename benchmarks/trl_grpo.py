@@ -35,7 +35,7 @@ import torch
 
 from rllm_async.algorithms.schedule import learning_rate
 from rllm_async.backends.local.backend import LocalBackend, LocalOptions
-from rllm_async.backends.local.model import Transformer
+from rllm_async.backends.local.model import Transformer, hf_weights
 from rllm_async.backends.local.tokenizer import SPECIALS, CharTokenizer
 from rllm_async.config import Config, load_config, validate_options
 from rllm_async.data import TaskSource, load_tasks
@@ -115,8 +115,9 @@ def to_qwen2(model: Transformer, tokenizer: CharTokenizer, max_seq_len: int) -> 
     hf = Qwen2ForCausalLM(hf_config)
     state = {
         (k if k == "lm_head.weight" else f"model.{k}"): v.detach().clone()
-        for k, v in model.state_dict().items()
+        for k, v in hf_weights(model).items()
     }
+    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])  # tied
     for i in range(cfg.n_layers):
         for proj in ("q_proj", "k_proj", "v_proj"):
             weight = state[f"model.layers.{i}.self_attn.{proj}.weight"]

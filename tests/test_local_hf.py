@@ -14,7 +14,7 @@ from rllm_async.backends.base import SamplingParams  # noqa: E402
 from rllm_async.backends.hf_tokenizer import load_tokenizer  # noqa: E402
 from rllm_async.backends.local import LocalBackend  # noqa: E402
 from rllm_async.backends.local.hf import load_checkpoint  # noqa: E402
-from rllm_async.backends.local.model import load_model  # noqa: E402
+from rllm_async.backends.local.model import hf_weights, load_model  # noqa: E402
 from rllm_async.config import ConfigError, config_from_dict  # noqa: E402
 
 # No whitespace: transformers 5 may swap in the model type's own tokenizer class, whose byte-level
@@ -72,6 +72,32 @@ def test_checkpoint_logits_match_transformers(tmp_path: Path, kind: str) -> None
     ids = torch.randint(0, ckpt.config.vocab_size, (2, 12))
     with torch.no_grad():
         assert torch.allclose(ours(ids), reference(ids).logits, atol=1e-4)
+
+
+def test_fused_projections_read_and_write_under_hugging_face_names(tmp_path: Path) -> None:
+    save_model(tmp_path, "qwen3", save_tokenizer(tmp_path))  # tied embeddings, q/k norms
+    ckpt = load_checkpoint(tmp_path)
+    ours = load_model(ckpt.config, ckpt.state, torch.device("cpu"), torch.float32)
+    named = hf_weights(ours)
+    assert set(named) == set(ckpt.state) - {"lm_head.weight"}  # tied: the embedding serves
+    assert all(torch.equal(named[k], ckpt.state[k]) for k in named)
+    ids = torch.randint(0, ckpt.config.vocab_size, (1, 6))
+    with torch.no_grad():
+        before = ours(ids)
+        named["layers.0.self_attn.v_proj.weight"].zero_()  # a view into the fused qkv_proj
+        assert not torch.allclose(ours(ids), before)
+
+
+def test_weights_that_do_not_fit_are_named(tmp_path: Path) -> None:
+    save_model(tmp_path, "llama", save_tokenizer(tmp_path))
+    ckpt = load_checkpoint(tmp_path)
+    cpu = torch.device("cpu")
+    missing = {k: v for k, v in ckpt.state.items() if k != "layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"missing \['layers.1.mlp.up_proj.weight'\]"):
+        load_model(ckpt.config, missing, cpu, torch.float32)
+    resized = {**ckpt.state, "norm.weight": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"norm.weight has shape \(3,\)"):
+        load_model(ckpt.config, resized, cpu, torch.float32)
 
 
 def test_backend_samples_with_the_checkpoint_chat_template(tmp_path: Path) -> None:

@@ -58,8 +58,17 @@ class CacheView:
         self.positions = positions
         self.blocks = int(positions.max()) // BLOCK + 1
         keys = torch.arange(self.blocks * BLOCK, device=positions.device)
-        self.mask = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, blocks * BLOCK]
-        self._block, self._offset = positions // BLOCK, positions % BLOCK
+        visible = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, blocks * BLOCK]
+        # Additive, so that every layer adds it rather than inverting and filling a boolean one.
+        self.mask = torch.zeros(visible.shape, device=positions.device, dtype=cache.k.dtype)
+        self.mask.masked_fill_(~visible, float("-inf"))
+        # Where each (row, token, kv head) goes in a layer's cache flattened to [-1, head_dim]:
+        # one index_copy_ per layer writes them all (advanced-index assignment is slower).
+        _, _, max_batch, kv_heads, _, _ = cache.k.shape
+        heads = torch.arange(kv_heads, device=positions.device)
+        first_row = (positions // BLOCK * max_batch + slots.unsqueeze(-1)) * kv_heads  # [B, T]
+        rows = first_row.unsqueeze(-1) + heads  # [B, T, KV]
+        self._write = (rows * BLOCK + (positions % BLOCK).unsqueeze(-1)).flatten()
         # Consecutive slots are read as a view; any other set is gathered, which copies every
         # row's history (with `index_select`: advanced indexing is several times slower here).
         first = int(slots[0]) if slots.numel() else 0
@@ -70,9 +79,13 @@ class CacheView:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write this pass's keys/values ([B, KV, T, D]) into the slots, then attend over them."""
-        rows = self.slots.unsqueeze(-1)
-        self.cache.k[layer, self._block, rows, :, self._offset] = k.transpose(1, 2)
-        self.cache.v[layer, self._block, rows, :, self._offset] = v.transpose(1, 2)
+        d = k.shape[-1]
+        self.cache.k[layer].view(-1, d).index_copy_(
+            0, self._write, k.transpose(1, 2).reshape(-1, d)
+        )
+        self.cache.v[layer].view(-1, d).index_copy_(
+            0, self._write, v.transpose(1, 2).reshape(-1, d)
+        )
         keys, values = self._read(self.cache.k[layer]), self._read(self.cache.v[layer])
         if q.shape[2] == 1:
             return decode_attention(q, keys, values, self.mask)
@@ -90,18 +103,17 @@ class CacheView:
 def decode_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """One query per row over block-major keys/values: [B, H, 1, D], [N, B, KV, BLOCK, D] and a
-    [B, 1, 1, N * BLOCK] mask -> [B, H, 1, D].
+    """One query per row over block-major keys/values: [B, H, 1, D], [N, B, KV, BLOCK, D] and an
+    additive [B, 1, 1, N * BLOCK] mask -> [B, H, 1, D].
 
     Each block is one batched matmul over dense memory. The query heads that share a key/value
     head form the rows of that matmul, so grouped-query attention repeats nothing.
     """
     n, b, kv, block, d = keys.shape
     h = q.shape[1]
-    qg = q.reshape(b, kv, h // kv, d)  # [B, KV, group, D]
-    scores = (qg @ keys.transpose(-1, -2)) * d**-0.5  # [N, B, KV, group, BLOCK]
-    scores = scores.permute(1, 2, 3, 0, 4).reshape(b, kv, h // kv, n * block)
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    qg = q.reshape(b, kv, h // kv, d) * d**-0.5  # [B, KV, group, D], scaled here: it is smaller
+    scores = qg @ keys.transpose(-1, -2)  # [N, B, KV, group, BLOCK]
+    scores = scores.permute(1, 2, 3, 0, 4).reshape(b, kv, h // kv, n * block) + mask
     probs = torch.softmax(scores, dim=-1).view(b, kv, h // kv, n, block).permute(3, 0, 1, 2, 4)
     return (probs @ values).sum(0).reshape(b, h, 1, d)
 

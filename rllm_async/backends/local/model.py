@@ -1,7 +1,9 @@
 """A Llama-style decoder in plain PyTorch: RoPE, RMSNorm, SwiGLU, optional GQA and tied embeddings.
 
-Module names follow the Hugging Face Llama/Qwen layout, so a local checkpoint of that family loads
-into it by stripping the `model.` prefix (see `hf.py`).
+Module names follow the Hugging Face Llama/Qwen layout, except that the q/k/v projections are one
+`qkv_proj` and the gate/up projections one `gate_up_proj`: one matmul each instead of three and
+two, which is most of what a small model's decode step costs. `hf_weights` names every weight as
+Hugging Face does (the fused ones as slices), so checkpoints of that family load and export by name.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """SDPA of [B, H, T, D] queries over [B, KV, S, D] keys/values (grouped-query heads repeated),
-    under a boolean `mask` [B, 1, T, S], or causal when there is none."""
+    under `mask` [B, 1, T, S] (boolean, or added to the scores), or causal when there is none."""
     n_heads = q.shape[1]
     if k.shape[1] != n_heads:
         k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
@@ -105,9 +107,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.n_kv, self.hdim = cfg.n_heads, cfg.kv_heads, cfg.hdim
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.hdim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.dim, cfg.kv_heads * cfg.hdim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.dim, cfg.kv_heads * cfg.hdim, bias=cfg.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            cfg.dim, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.hdim, bias=cfg.qkv_bias
+        )
         self.o_proj = nn.Linear(cfg.n_heads * cfg.hdim, cfg.dim, bias=False)
         self.q_norm = RMSNorm(cfg.hdim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.hdim, cfg.norm_eps) if cfg.qk_norm else None
@@ -116,12 +118,12 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: AttentionView | None
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.hdim)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.hdim)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.hdim)
+        qkv = self.qkv_proj(x).view(b, t, self.n_heads + 2 * self.n_kv, self.hdim)
+        qk, v = qkv.split((self.n_heads + self.n_kv, self.n_kv), dim=2)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin).transpose(1, 2), rotate(k, cos, sin).transpose(1, 2)
+            q, k = qk.split((self.n_heads, self.n_kv), dim=2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
+        q, k = rotate(qk, cos, sin).transpose(1, 2).split((self.n_heads, self.n_kv), dim=1)
         v = v.transpose(1, 2)
         y = attention(q, k, v) if view is None else view.attend(self.layer, q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
@@ -132,12 +134,12 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -196,39 +198,74 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def hf_weights(model: Transformer) -> dict[str, torch.Tensor]:
+    """Every distinct weight of `model` under its Hugging Face Llama/Qwen name (without the
+    `model.` prefix), the fused projections' parts as views into them."""
+    cfg = model.cfg
+    q, kv = cfg.n_heads * cfg.hdim, cfg.kv_heads * cfg.hdim
+    weights: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():  # a tied lm_head is listed once, as embed_tokens
+        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            prefix, kind = name.rsplit(".qkv_proj.", 1)
+            for part, piece in zip("qkv", p.split((q, kv, kv)), strict=True):
+                weights[f"{prefix}.{part}_proj.{kind}"] = piece
+        elif name.endswith("gate_up_proj.weight"):
+            prefix = name.removesuffix(".gate_up_proj.weight")
+            gate, up = p.chunk(2)
+            weights[f"{prefix}.gate_proj.weight"], weights[f"{prefix}.up_proj.weight"] = gate, up
+        else:
+            weights[name] = p
+    return weights
+
+
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:
     """A freshly initialised model; the same config and seed always give the same weights."""
     model = Transformer(cfg)
     gen = torch.Generator().manual_seed(seed)
     std = 0.02
-    for name, p in sorted(model.named_parameters()):
-        if name.endswith("norm.weight"):
-            continue
-        if name.endswith("bias"):
-            nn.init.zeros_(p)
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            # Residual-branch outputs start small so the depth does not blow up the stream.
-            nn.init.normal_(p, std=std / (2 * cfg.n_layers) ** 0.5, generator=gen)
-        else:
-            nn.init.normal_(p, std=std, generator=gen)
+    with torch.no_grad():
+        for name, p in sorted(hf_weights(model).items()):
+            if name.endswith("norm.weight"):
+                continue
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                # Residual-branch outputs start small so the depth does not blow up the stream.
+                nn.init.normal_(p, std=std / (2 * cfg.n_layers) ** 0.5, generator=gen)
+            else:
+                nn.init.normal_(p, std=std, generator=gen)
     return model
 
 
 def load_model(
-    cfg: ModelConfig, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
+    cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype
 ) -> Transformer:
-    """A model holding copies of the tensors in `state`, cast to `dtype` on `device`."""
+    """A model holding copies of Hugging Face-named `weights` (see `hf_weights`), in `dtype` on
+    `device`. A tied model takes its output layer from `embed_tokens.weight`."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    tensors = {k: v.detach().to(device=device, dtype=dtype, copy=True) for k, v in state.items()}
-    if cfg.tie_embeddings:
-        tensors["lm_head.weight"] = tensors["embed_tokens.weight"]
-    model.load_state_dict(tensors, assign=True)
+    model = model.to_empty(device=device).to(dtype)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    targets = hf_weights(model)
+    given = set(weights) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    if given != set(targets):
+        missing, unexpected = sorted(set(targets) - given), sorted(given - set(targets))
+        raise ValueError(
+            f"weights do not fit the model {cfg}: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}; is the checkpoint a Llama/Qwen-family decoder?"
+        )
+    with torch.no_grad():
+        for name, target in targets.items():
+            if weights[name].shape != target.shape:
+                raise ValueError(
+                    f"weight {name} has shape {tuple(weights[name].shape)}, the model "
+                    f"{cfg} expects {tuple(target.shape)}"
+                )
+            target.copy_(weights[name])
     return model
 
 
 def frozen_copy(model: Transformer, device: torch.device, dtype: torch.dtype) -> Transformer:
     """An inference-only copy of `model`'s weights (a sampler snapshot, a reference model)."""
-    return load_model(model.cfg, model.state_dict(), device, dtype).eval().requires_grad_(False)
+    return load_model(model.cfg, hf_weights(model), device, dtype).eval().requires_grad_(False)

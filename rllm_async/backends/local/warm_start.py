@@ -1,7 +1,8 @@
 """A brief supervised warm start, so that RL begins from a policy that sometimes succeeds.
 
-Its result is cached under a key made of everything that determines it (model, seed, the examples'
-tokens, steps, learning rate), so a second run with the same settings starts at once.
+Its result is cached under a key made of everything that determines it (model and its parameter
+layout, seed, the examples' tokens, steps, learning rate), so a second run with the same settings
+starts at once.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def warm_start(
     # to the task's code or to the tokenizer must not load weights trained on other text.
     recipe = {
         "model": identity,
+        "layout": {name: list(t.shape) for name, t in model.state_dict().items()},
         "seed": seed,
         "schedule": "warmup-constant",
         **opts.model_dump(exclude={"cache_dir"}),
