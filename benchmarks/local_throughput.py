@@ -3,8 +3,8 @@
 Both sample 64 sequences of `--new-tokens` tokens, ours from the `small` preset's architecture and
 `transformers` from a Qwen2 config of the same width, depth, heads and vocabulary (random weights),
 one torch thread each; after a warm-up, in `--repeats` back-to-back pairs, and the speedup is the
-median of the pairs' ratios. Also measures the learner's training tokens/s and the process's peak memory
-(and the GPU's, with `--device cuda`). Prints one JSON line. Needs `transformers` (an optional
+median of the pairs' ratios. Also measures the learner's training tokens/s and the process's peak
+memory (and the GPU's, with `--device cuda`). Prints one JSON line. Needs `transformers` (an optional
 dependency of this benchmark only).
 
 Usage: python benchmarks/local_throughput.py [--batch 64] [--new-tokens 128] [--repeats 11]
@@ -147,6 +147,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=11, help="back-to-back pairs of runs")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = parser.parse_args()
+    if args.repeats < 2:
+        parser.error("--repeats needs at least 2 pairs, for the quartiles of their ratios")
     device = torch.device(args.device)
     torch.set_num_threads(1)
     n, new = args.batch, args.new_tokens
@@ -156,7 +158,7 @@ def main() -> None:
     # shrugs off the pairs a burst of load hit on one side only.
     runs = [(ours(n, new, device), hf(n, new, device)) for _ in range(args.repeats)]
     ratios = sorted(o / h for o, h in runs)
-    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    quartiles = statistics.quantiles(ratios, n=4)
     train_tps = training(n, PROMPT_TOKENS + new, device)
     gpu = {}
     if device.type == "cuda":

@@ -243,8 +243,8 @@ def load_model(
     """A model holding copies of Hugging Face-named `weights` (see `hf_weights`), in `dtype` on
     `device`. A tied model takes its output layer from `embed_tokens.weight`."""
     with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = Transformer(cfg).to(dtype)  # free on the meta device; then one allocation
+    model = model.to_empty(device=device)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     targets = hf_weights(model)
