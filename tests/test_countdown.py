@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from rllm_async.workflows.tasks.countdown import (
@@ -110,3 +112,40 @@ def test_warm_start_mixes_solutions_with_well_formed_guesses() -> None:
     assert all(
         reward(t, ex["solution"]) == (1.0, True) for t, ex in zip(tasks, solved, strict=True)
     )
+
+
+def test_balanced_warm_start_gives_every_operation_its_share() -> None:
+    kwargs = {"min_numbers": 2, "max_numbers": 3}
+    balanced = warm_start_examples(n=600, seed=1, balance_operations=True, **kwargs)
+    assert balanced == warm_start_examples(n=600, seed=1, balance_operations=True, **kwargs)
+    assert len({ex["id"] for ex in balanced}) == 600
+    kinds: dict[tuple[int, str], int] = {}
+    for ex in balanced:
+        numbers, target = _problem(ex["messages"][0]["content"])
+        assert reward({"numbers": numbers, "target": target}, ex["solution"]) == (1.0, True)
+        if len(numbers) == 2:
+            kind = next(op for op in "+-*" if op in ex["solution"])
+        else:
+            kind = "-" if "-" in ex["solution"] else "no -"
+        kinds[(len(numbers), kind)] = kinds.get((len(numbers), kind), 0) + 1
+    assert kinds == {(2, "+"): 100, (2, "-"): 100, (2, "*"): 100, (3, "-"): 150, (3, "no -"): 150}
+    # Left to the generator, two-number problems are mostly sums and seldom differences.
+    plain = warm_start_examples(n=600, seed=1, **kwargs)
+    two = [ex["solution"] for ex in plain if len(_problem(ex["messages"][0]["content"])[0]) == 2]
+    assert sum("-" in s for s in two) < 0.25 * len(two)
+    assert sum("+" in s for s in two) > 0.4 * len(two)
+
+
+def _problem(prompt: str) -> tuple[list[int], int]:
+    """(numbers, target) back from a prompt such as 'Use 7 1 5 and + - * to make 40.'."""
+    match = re.fullmatch(r"Use ([\d ]+) and \+ - \* to make (\d+)\.", prompt)
+    assert match is not None, prompt
+    return [int(x) for x in match[1].split()], int(match[2])
+
+
+def test_balancing_names_the_share_it_cannot_fill() -> None:
+    # With numbers 1-2 no product is a fresh target (1*1 and 2*1 repeat a number, 2*2 is 2+2).
+    with pytest.raises(ValueError, match="could not balance"):
+        warm_start_examples(
+            n=30, balance_operations=True, min_numbers=2, max_numbers=2, max_number=2
+        )

@@ -206,15 +206,28 @@ def render(tree: Tree) -> str:
 
 
 def warm_start_examples(
-    n: int = 2000, seed: int = 1, solved_share: float = 1.0, **kwargs: Any
+    n: int = 2000,
+    seed: int = 1,
+    solved_share: float = 1.0,
+    balance_operations: bool = False,
+    **kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Transcripts of `n` fresh problems (`backend.warm_start.examples`); use a seed that the
     train and eval data do not. A `solved_share` of them answer with the solver's expression, the
     rest with a random well-formed expression over the same numbers (usually wrong): the model
-    learns the answer's form and keeps every operator and order likely, so RL explores them all."""
+    learns the answer's form and keeps every operator and order likely, so RL explores them all.
+
+    `balance_operations` picks the problems so that each count of numbers is an equal share and,
+    by the solver's answer, two-number problems are sums, differences and products in equal
+    shares and larger ones use '-' in half. Left to the generator, 18% of two-number problems are
+    differences (one that is not positive, or equals a number, is no problem) and 37% of
+    three-number answers use '-'; a warm start that seldom writes '-' leaves RL to drive it out
+    altogether (docs/benchmarks.md).
+    """
     rng = random.Random(f"warm-{seed}")
+    tasks = _balanced(n, seed, **kwargs) if balance_operations else generator(n, seed, **kwargs)
     examples = []
-    for task in generator(n=n, seed=seed, **kwargs):
+    for task in tasks:
         numbers = list(task["numbers"])
         if rng.random() < solved_share:
             answer = solve(numbers, int(task["target"]))
@@ -227,3 +240,34 @@ def warm_start_examples(
         ]
         examples.append({"id": task["id"], "solution": answer, "messages": messages})
     return examples
+
+
+def _balanced(n: int, seed: int, **kwargs: Any) -> list[dict[str, Any]]:
+    """`n` problems in generator order, taken while their kind (number count, and the solver's
+    operation for two numbers or whether it uses '-' for more) is short of its equal share."""
+    counts = range(kwargs.get("min_numbers", 3), kwargs.get("max_numbers", 4) + 1)
+    quota = {}
+    for count, share in zip(counts, _split(n, len(counts)), strict=True):
+        kinds = OPS if count == 2 else ("-", "no -")
+        quota.update({(count, k): q for k, q in zip(kinds, _split(share, len(kinds)), strict=True)})
+    # Differences are about a tenth of two-number problems: a pool of 8n fills every share.
+    chosen = []
+    for task in generator(n=8 * n, seed=seed, **kwargs):
+        answer = solve(task["numbers"], int(task["target"]))
+        assert answer is not None, "the generator makes only solvable problems"
+        if len(task["numbers"]) == 2:
+            kind = next(op for op in OPS if op in answer)
+        else:
+            kind = "-" if "-" in answer else "no -"
+        key = (len(task["numbers"]), kind)
+        if quota[key] > 0:
+            quota[key] -= 1
+            chosen.append(task)
+            if len(chosen) == n:
+                return chosen
+    raise ValueError(f"countdown: could not balance {n} warm-start problems by operation")
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """`total` in `parts` shares as equal as integers allow."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
