@@ -242,17 +242,19 @@ def warm_start_examples(
     return examples
 
 
-def _balanced(n: int, seed: int, **kwargs: Any) -> list[dict[str, Any]]:
+def _balanced(
+    n: int, seed: int, min_numbers: int = 3, max_numbers: int = 4, **kwargs: Any
+) -> list[dict[str, Any]]:
     """`n` problems in generator order, taken while their kind (number count, and the solver's
     operation for two numbers or whether it uses '-' for more) is short of its equal share."""
-    counts = range(kwargs.get("min_numbers", 3), kwargs.get("max_numbers", 4) + 1)
+    counts = range(min_numbers, max_numbers + 1)
     quota = {}
     for count, share in zip(counts, _split(n, len(counts)), strict=True):
         kinds = OPS if count == 2 else ("-", "no -")
         quota.update({(count, k): q for k, q in zip(kinds, _split(share, len(kinds)), strict=True)})
-    # Differences are about a tenth of two-number problems: a pool of 8n fills every share.
+    # Differences are about a tenth of all problems, and a sixth of `n` is wanted: 8n is plenty.
     chosen = []
-    for task in generator(n=8 * n, seed=seed, **kwargs):
+    for task in generator(8 * n, seed, min_numbers, max_numbers, **kwargs):
         answer = solve(task["numbers"], int(task["target"]))
         assert answer is not None, "the generator makes only solvable problems"
         if len(task["numbers"]) == 2:
@@ -265,7 +267,11 @@ def _balanced(n: int, seed: int, **kwargs: Any) -> list[dict[str, Any]]:
             chosen.append(task)
             if len(chosen) == n:
                 return chosen
-    raise ValueError(f"countdown: could not balance {n} warm-start problems by operation")
+    short = ", ".join(f"{q} of ({c} numbers, {k})" for (c, k), q in quota.items() if q > 0)
+    raise ValueError(
+        f"countdown: could not balance {n} warm-start problems by operation (short of {short}); "
+        "allow larger numbers (max_number) or set balance_operations: false"
+    )
 
 
 def _split(total: int, parts: int) -> list[int]:
