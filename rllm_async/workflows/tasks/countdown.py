@@ -35,23 +35,31 @@ def generator(
     max_target: int = 99,
 ) -> list[dict[str, Any]]:
     """`n` solvable problems (id, numbers, target, prompt), the same for the same arguments."""
+    return list(
+        itertools.islice(_problems(seed, min_numbers, max_numbers, max_number, max_target), n)
+    )
+
+
+def _problems(
+    seed: int, min_numbers: int, max_numbers: int, max_number: int = 9, max_target: int = 99
+) -> Iterator[dict[str, Any]]:
+    """The endless stream that `generator` takes its first `n` problems from."""
     if not 2 <= min_numbers <= max_numbers:
         raise ValueError("countdown needs 2 <= min_numbers <= max_numbers")
     rng = random.Random(seed)
-    tasks: list[dict[str, Any]] = []
-    while len(tasks) < n:
-        numbers = [rng.randint(1, max_number) for _ in range(rng.randint(min_numbers, max_numbers))]
-        target = _evaluate(_random_tree(numbers, rng))
-        if 0 < target <= max_target and target not in numbers:
-            tasks.append(
-                {
-                    "id": f"countdown-{seed}-{len(tasks)}",
-                    "numbers": numbers,
-                    "target": target,
-                    "prompt": prompt_for(numbers, target),
-                }
-            )
-    return tasks
+    for index in itertools.count():
+        while True:
+            count = rng.randint(min_numbers, max_numbers)
+            numbers = [rng.randint(1, max_number) for _ in range(count)]
+            target = _evaluate(_random_tree(numbers, rng))
+            if 0 < target <= max_target and target not in numbers:
+                break
+        yield {
+            "id": f"countdown-{seed}-{index}",
+            "numbers": numbers,
+            "target": target,
+            "prompt": prompt_for(numbers, target),
+        }
 
 
 def reward(task: dict[str, Any], text: str) -> tuple[float, bool]:
@@ -254,7 +262,7 @@ def _balanced(
         quota.update({(count, k): q for k, q in zip(kinds, _split(share, len(kinds)), strict=True)})
     # Differences are about a tenth of all problems, and a sixth of `n` is wanted: 8n is plenty.
     chosen = []
-    for task in generator(8 * n, seed, min_numbers, max_numbers, **kwargs):
+    for task in itertools.islice(_problems(seed, min_numbers, max_numbers, **kwargs), 8 * n):
         answer = solve(task["numbers"], int(task["target"]))
         assert answer is not None, "the generator makes only solvable problems"
         if len(task["numbers"]) == 2:
