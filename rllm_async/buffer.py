@@ -45,8 +45,8 @@ class TrajectoryGroupBuffer:
     """Accumulates episodes per dispatch until its group is complete, then queues it.
 
     A group is complete when all `group_size` rollouts ended; it trains on the survivors of failed
-    rollouts if at least `min_group_size` survived, else it fails. Zero-variance groups are
-    filtered when asked. Every outcome moves the group's count in the coordinator, which frees its
+    rollouts if at least `min_group_size` survived, else it fails. Zero-variance groups, and
+    dispatches where every rollout is judged wrong, are filtered when asked. Every outcome moves the group's count in the coordinator, which frees its
     admission slot at once. Ready groups leave oldest policy version first, and the queue is
     bounded: a full queue makes producers wait (backpressure), it never evicts.
     """
@@ -60,6 +60,7 @@ class TrajectoryGroupBuffer:
         advantage_fn: AdvantageFn,
         normalize_std: bool,
         filter_zero_variance: bool,
+        filter_unsolved: bool,
         capacity: int,
     ) -> None:
         self.coordinator = coordinator
@@ -68,6 +69,7 @@ class TrajectoryGroupBuffer:
         self.advantage_fn = advantage_fn
         self.normalize_std = normalize_std
         self.filter_zero_variance = filter_zero_variance
+        self.filter_unsolved = filter_unsolved
         self.capacity = capacity
         self._pending: dict[int, _Pending] = {}
         self._ready: list[tuple[int, int, ReadyGroup]] = []
@@ -107,6 +109,9 @@ class TrajectoryGroupBuffer:
         """Group the survivors by actor and compute advantages; None if every group is filtered."""
         # Rollout order, not completion order, so that batches do not depend on timing.
         episodes = [pending.episodes[i] for i in sorted(pending.episodes)]
+        # Episodes that are not judged (is_correct None) never count as unsolved.
+        if self.filter_unsolved and all(ep.is_correct is False for ep in episodes):
+            return None
         by_name: dict[str, list[Trajectory]] = {}
         for ep in episodes:
             for traj in ep.trajectories:

@@ -106,6 +106,8 @@ class AlgorithmConfig(_Section):
     advantage: str = "grpo"
     normalize_std: bool = False
     filter_zero_variance: bool = True
+    # Drop a dispatch whose rollouts are all judged wrong: its reward spread is only partial credit.
+    filter_unsolved: bool = False
     loss: LossConfig = Field(default_factory=LossConfig)
 
 

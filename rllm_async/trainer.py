@@ -129,6 +129,7 @@ class UnifiedTrainer:
             advantage_fn=self.advantage_fn,
             normalize_std=cfg.algorithm.normalize_std,
             filter_zero_variance=cfg.algorithm.filter_zero_variance,
+            filter_unsolved=cfg.algorithm.filter_unsolved,
             capacity=(cfg.coordinator.pipeline_depth + 1) * cfg.train.groups_per_step,
         )
         self.source = TaskSource(
@@ -297,11 +298,16 @@ class UnifiedTrainer:
         if self._filtered_in_a_row >= max(
             len(self.train_tasks), 10 * self.config.train.groups_per_step
         ):
+            algorithm = self.config.algorithm
+            why, flags = "had equal rewards within the group", ["filter_zero_variance"]
+            if algorithm.filter_unsolved:
+                why += " or no correct rollout"
+                flags.append("filter_unsolved")
             raise NoSignalError(
-                f"the last {self._filtered_in_a_row} groups all had equal rewards within the group "
-                "and were filtered, so there is nothing to learn from: the policy always fails (or "
-                "always succeeds). Warm-start the policy, make the task easier or the reward "
-                "denser, or set algorithm.filter_zero_variance=false"
+                f"the last {self._filtered_in_a_row} groups all {why} and were filtered, so there "
+                "is nothing to learn from: the policy always fails (or always succeeds). "
+                "Warm-start the policy, make the task easier or the reward denser, or set "
+                + " or ".join(f"algorithm.{flag}=false" for flag in flags)
             )
 
     def _count_tokens(self, tokens: int, *, wasted: bool) -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from rllm_async.coordinator import StallError, SyncTimeoutError
 from rllm_async.trainer import FailureRateError, UnifiedTrainer
+from rllm_async.types import Episode
 from rllm_async.vclock import run
+from rllm_async.workflows.base import RolloutContext
 from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
 
 
@@ -124,6 +128,37 @@ def test_zero_variance_filtering_frees_slots_and_the_run_ends_at_the_end_of_data
     assert (cfg.run_path / "checkpoints" / "step_4").is_dir()
 
 
+class PartialCreditWorkflow(ScriptedWorkflow):
+    """Rollout 0 of tasks t0, t3, t6... is correct; t1, t4... only get partial credit (wrong, with
+    varying rewards); t2, t5... are scored without a judgement of correctness."""
+
+    async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
+        await ctx.generate([1, 2, 3])
+        kind, first = int(task["id"][1:]) % 3, ctx.rollout_index == 0
+        ctx.set_reward(1.0 if kind == 0 and first else 0.1 * first)
+        episode = ctx.build_episode(None)
+        episode.is_correct = None if kind == 2 else kind == 0 and first
+        return episode
+
+
+@pytest.mark.parametrize("filter_unsolved", [True, False])
+def test_filter_unsolved_drops_groups_without_a_correct_rollout(tmp_path, filter_unsolved) -> None:
+    backend = FakeBackend()
+    cfg = make_config(
+        tmp_path,
+        train={"total_steps": 100, "total_epochs": 1, "groups_per_step": 2},
+        algorithm={"filter_unsolved": filter_unsolved},
+    )
+    trainer = UnifiedTrainer(
+        cfg, backend=backend, workflow=PartialCreditWorkflow(), train_tasks=tasks(12)
+    )
+    fit(trainer)
+    trained_ids = {task_id for step in backend.trained for task_id, _ in step}
+    unsolved = {f"t{i}" for i in range(1, 12, 3)}
+    assert trained_ids == {f"t{i}" for i in range(12)} - (unsolved if filter_unsolved else set())
+    assert trainer.coordinator.counts.filtered == (4 if filter_unsolved else 0)
+
+
 def test_sync_hook_that_raises_surfaces_and_generation_resumes(tmp_path) -> None:
     backend = FakeBackend(sync_fault=lambda v: "raise" if v == 2 else None)
     cfg = make_config(tmp_path, coordinator={"sync_retries": 1})
@@ -215,12 +250,20 @@ def test_latest_mode_records_newer_versions_and_pin_never_spans_two(tmp_path) ->
         assert spanned is spans, mode
 
 
-def test_a_run_without_any_learning_signal_stops_with_a_clear_error(tmp_path) -> None:
+@pytest.mark.parametrize("filter_unsolved", [False, True])
+def test_a_run_without_any_learning_signal_stops_with_a_clear_error(
+    tmp_path, filter_unsolved
+) -> None:
     from rllm_async.trainer import NoSignalError
 
     workflow = ScriptedWorkflow(reward=lambda task, i, a: 0.0)  # never succeeds
-    cfg = make_config(tmp_path, coordinator={"pipeline_depth": 1})
+    cfg = make_config(
+        tmp_path,
+        coordinator={"pipeline_depth": 1},
+        algorithm={"filter_unsolved": filter_unsolved},
+    )
     trainer = UnifiedTrainer(cfg, backend=FakeBackend(), workflow=workflow, train_tasks=tasks(30))
-    with pytest.raises(NoSignalError, match="filter_zero_variance=false"):
+    fix = "filter_zero_variance=false" + (" or algorithm.filter_unsolved=false" * filter_unsolved)
+    with pytest.raises(NoSignalError, match=fix):
         fit(trainer)
     assert trainer.coordinator.counts.filtered >= 40
