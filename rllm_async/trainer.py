@@ -26,6 +26,8 @@ from rllm_async.types import Episode
 from rllm_async.workflows.base import RolloutContext, Workflow
 
 _BREAKER_MIN_ROLLOUTS = 32
+# Group outcomes counted per record, as the change since the previous record.
+_GROUP_COUNTS = ("consumed", "filtered", "failed", "dropped_stale", "requeued")
 
 
 class FailureRateError(RuntimeError):
@@ -348,10 +350,12 @@ class UnifiedTrainer:
             generation.cancel()
 
     async def _close_after_data_end(self) -> None:
-        """The data ran out after the last step's record was written: an evaluation still running
-        and the final one each get one more record of that step; then the final checkpoint."""
+        """The data ran out after the last step's record was written: groups that ended since
+        (filtered or failed) and an evaluation still running get one more record of that step,
+        the final evaluation another; then the final checkpoint."""
         cfg, version = self.config, self.coordinator.version
-        if await self._collect_eval(wait=True):
+        groups_ended = self._record_group_counts()
+        if await self._collect_eval(wait=True) or groups_ended:
             self._flush_extra_record(version)
         if cfg.eval.at_end and self.eval_tasks and self._evaluated_version != version:
             self.metrics.record_many(await self.evaluate(), "last")
@@ -424,8 +428,7 @@ class UnifiedTrainer:
         now = loop.time()
         step_s = max(now - self._step_start, 1e-12)
         counts = coord.snapshot()
-        for key in ("consumed", "filtered", "failed", "dropped_stale", "requeued"):
-            m.record(f"groups/{key}", counts[key] - self._step_counts[key], "sum")
+        self._record_group_counts(counts)
         m.record("groups/in_flight", counts["in_flight"], "last")
         m.record("groups/buffered", counts["buffered"], "last")
         m.record("policy_version", step, "last")
@@ -449,8 +452,16 @@ class UnifiedTrainer:
         if (ck.every_steps and step % ck.every_steps == 0) or (last and ck.at_end):
             await self.save_checkpoint()
         self._step_start = loop.time()
-        self._step_counts = coord.snapshot()
         self._step_episodes = self._step_tokens = 0
+
+    def _record_group_counts(self, counts: dict[str, int] | None = None) -> bool:
+        """Record how many groups ended each way since the last record; False if none did."""
+        counts = counts or self.coordinator.snapshot()
+        changes = {key: counts[key] - self._step_counts[key] for key in _GROUP_COUNTS}
+        for key, n in changes.items():
+            self.metrics.record(f"groups/{key}", n, "sum")
+        self._step_counts = counts
+        return any(changes.values())
 
     def _flush_extra_record(self, step: int) -> None:
         """One more record of `step`, for evaluations that finished after its record was written."""

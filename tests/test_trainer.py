@@ -152,11 +152,14 @@ def test_filter_unsolved_drops_groups_without_a_correct_rollout(tmp_path, filter
     trainer = UnifiedTrainer(
         cfg, backend=backend, workflow=PartialCreditWorkflow(), train_tasks=tasks(12)
     )
-    fit(trainer)
+    records = fit(trainer)
     trained_ids = {task_id for step in backend.trained for task_id, _ in step}
     unsolved = {f"t{i}" for i in range(1, 12, 3)}
     assert trained_ids == {f"t{i}" for i in range(12)} - (unsolved if filter_unsolved else set())
-    assert trainer.coordinator.counts.filtered == (4 if filter_unsolved else 0)
+    filtered = 4 if filter_unsolved else 0
+    assert trainer.coordinator.counts.filtered == filtered
+    # Groups filtered after the last step's record land in one more record of that step.
+    assert sum(r.get("groups/filtered", 0) for r in records) == filtered
 
 
 def test_sync_hook_that_raises_surfaces_and_generation_resumes(tmp_path) -> None:
