@@ -46,9 +46,10 @@ class TrajectoryGroupBuffer:
 
     A group is complete when all `group_size` rollouts ended; it trains on the survivors of failed
     rollouts if at least `min_group_size` survived, else it fails. Zero-variance groups, and
-    dispatches where every rollout is judged wrong, are filtered when asked. Every outcome moves the group's count in the coordinator, which frees its
-    admission slot at once. Ready groups leave oldest policy version first, and the queue is
-    bounded: a full queue makes producers wait (backpressure), it never evicts.
+    dispatches where every rollout is judged wrong, are filtered when asked. Every outcome moves
+    the group's count in the coordinator, which frees its admission slot at once. Ready groups
+    leave oldest policy version first, and the queue is bounded: a full queue makes producers
+    wait (backpressure), it never evicts.
     """
 
     def __init__(

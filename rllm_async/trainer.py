@@ -354,7 +354,7 @@ class UnifiedTrainer:
         (filtered or failed) and an evaluation still running get one more record of that step,
         the final evaluation another; then the final checkpoint."""
         cfg, version = self.config, self.coordinator.version
-        groups_ended = self._record_group_counts()
+        groups_ended = self._record_group_counts(self.coordinator.snapshot())
         if await self._collect_eval(wait=True) or groups_ended:
             self._flush_extra_record(version)
         if cfg.eval.at_end and self.eval_tasks and self._evaluated_version != version:
@@ -454,9 +454,8 @@ class UnifiedTrainer:
         self._step_start = loop.time()
         self._step_episodes = self._step_tokens = 0
 
-    def _record_group_counts(self, counts: dict[str, int] | None = None) -> bool:
+    def _record_group_counts(self, counts: dict[str, int]) -> bool:
         """Record how many groups ended each way since the last record; False if none did."""
-        counts = counts or self.coordinator.snapshot()
         changes = {key: counts[key] - self._step_counts[key] for key in _GROUP_COUNTS}
         for key, n in changes.items():
             self.metrics.record(f"groups/{key}", n, "sum")

@@ -10,7 +10,7 @@ from rllm_async.coordinator import StallError, SyncTimeoutError
 from rllm_async.trainer import FailureRateError, UnifiedTrainer
 from rllm_async.types import Episode
 from rllm_async.vclock import run
-from rllm_async.workflows.base import RolloutContext
+from rllm_async.workflows.base import RolloutContext, Workflow
 from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
 
 
@@ -128,7 +128,7 @@ def test_zero_variance_filtering_frees_slots_and_the_run_ends_at_the_end_of_data
     assert (cfg.run_path / "checkpoints" / "step_4").is_dir()
 
 
-class PartialCreditWorkflow(ScriptedWorkflow):
+class PartialCreditWorkflow(Workflow):
     """Rollout 0 of tasks t0, t3, t6... is correct; t1, t4... only get partial credit (wrong, with
     varying rewards); t2, t5... are scored without a judgement of correctness."""
 
