@@ -21,6 +21,8 @@ class Dispatch:
     task_id: str
     version: int
     tokens: int = 0  # completion tokens of its finished rollouts so far
+    judged: int = 0  # its finished rollouts with a judgement of correctness (is_correct not None)
+    correct: int = 0  # those judged correct
 
 
 @dataclass(slots=True)

@@ -108,6 +108,8 @@ class AlgorithmConfig(_Section):
     filter_zero_variance: bool = True
     # Drop a dispatch whose rollouts are all judged wrong: its reward spread is only partial credit.
     filter_unsolved: bool = False
+    # Skip a task whose groups keep coming back all correct, for 1, 2, 4, ... (at most 32) draws.
+    skip_solved: bool = False
     loss: LossConfig = Field(default_factory=LossConfig)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import deque
 from collections.abc import Callable
@@ -75,11 +76,21 @@ def _read_rows(path: Path) -> list[Any]:
     return rows
 
 
+# A task solved by every rollout of its last k groups is skipped on its next 2**(k-1) draws, up to
+# this many: it is still tried now and then, so that a task the policy forgets comes back.
+_MAX_SKIPS = 32
+
+
 class TaskSource:
     """Tasks in a seeded order, epoch after epoch, with requeued tasks served first.
 
-    Its state (epoch, cursor, requeued tasks) is part of a checkpoint, so that a resumed run
-    continues the same order.
+    With `skip_solved`, a task whose groups keep coming back solved by every rollout is skipped
+    on its next draws, for longer each time (1, 2, 4, ... draws): datasets that repeat a problem
+    stop spending generation on problems that teach nothing. Tasks with the same content but
+    different ids count as one.
+
+    Its state (epoch, cursor, requeued tasks, solved streaks) is part of a checkpoint, so that a
+    resumed run continues the same order.
     """
 
     def __init__(
@@ -89,6 +100,7 @@ class TaskSource:
         seed: int,
         shuffle: bool,
         total_epochs: int | None,
+        skip_solved: bool = False,
         on_epoch_start: Callable[[int], None] | None = None,
         on_epoch_end: Callable[[int], None] | None = None,
     ) -> None:
@@ -99,6 +111,9 @@ class TaskSource:
         self.epoch = 0
         self.cursor = 0
         self.requeued: deque[dict[str, Any]] = deque()
+        self.skip_solved = skip_solved
+        self._solved: dict[str, list[int]] = {}  # content key -> [solved streak, draws to skip]
+        self._skipped = 0
         self._on_epoch_start = on_epoch_start
         self._on_epoch_end = on_epoch_end
         self._order = self._permutation(0)
@@ -118,8 +133,13 @@ class TaskSource:
         """The next task, or None once every epoch has been served and nothing is requeued."""
         if self.requeued:
             return self.requeued.popleft()
-        if self.exhausted:
-            return None
+        while not self.exhausted:
+            task = self._next_in_order()
+            if not self._skip(task):
+                return task
+        return None
+
+    def _next_in_order(self) -> dict[str, Any]:
         if self.cursor == 0 and self._on_epoch_start is not None:
             self._on_epoch_start(self.epoch)
         task = self.tasks[self._order[self.cursor]]
@@ -132,15 +152,51 @@ class TaskSource:
             self._order = self._permutation(self.epoch)
         return task
 
+    def _skip(self, task: dict[str, Any]) -> bool:
+        entry = self._solved.get(_content_key(task)) if self._solved else None
+        if entry is None or entry[1] == 0:
+            return False
+        entry[1] -= 1
+        self._skipped += 1
+        return True
+
+    def group_ended(self, task: dict[str, Any], *, solved: bool) -> None:
+        """Note how a group of `task` ended: `solved` when every one of its rollouts was correct."""
+        if not self.skip_solved:
+            return
+        key = _content_key(task)
+        if not solved:
+            self._solved.pop(key, None)
+            return
+        streak = self._solved[key][0] + 1 if key in self._solved else 1
+        self._solved[key] = [streak, min(2 ** (streak - 1), _MAX_SKIPS)]
+
+    def take_skipped(self) -> int:
+        """Draws skipped as solved since the last call."""
+        skipped, self._skipped = self._skipped, 0
+        return skipped
+
     def requeue(self, task: dict[str, Any]) -> None:
         self.requeued.append(task)
 
     def state(self, pending: list[dict[str, Any]]) -> dict[str, Any]:
         """Checkpoint state; `pending` (dispatched, not yet resolved) tasks are served again first."""
-        return {"epoch": self.epoch, "cursor": self.cursor, "requeued": [*pending, *self.requeued]}
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "requeued": [*pending, *self.requeued],
+            "solved": self._solved,
+        }
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.epoch = state["epoch"]
         self.cursor = state["cursor"]
         self.requeued = deque(state["requeued"])
+        self._solved = state["solved"]
         self._order = self._permutation(self.epoch)
+
+
+def _content_key(task: dict[str, Any]) -> str:
+    """The same for tasks that differ only in their id."""
+    content = {k: v for k, v in task.items() if k != "id"}
+    return hashlib.sha1(json.dumps(content, sort_keys=True).encode()).hexdigest()

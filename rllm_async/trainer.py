@@ -139,6 +139,7 @@ class UnifiedTrainer:
             seed=cfg.seed,
             shuffle=cfg.data.train.shuffle if cfg.data.train is not None else True,
             total_epochs=cfg.train.total_epochs,
+            skip_solved=cfg.algorithm.skip_solved,
             on_epoch_start=self._epoch_started,
             on_epoch_end=self._epoch_ended,
         )
@@ -240,11 +241,15 @@ class UnifiedTrainer:
                 self.coordinator.rollout_finished()
         self._record_outcome(episode)
         state = await self.buffer.add(dispatch.id, index, episode)
+        if state is None:
+            return
+        self._record_solved(dispatch)
+        solved = dispatch.correct == self.config.rollout.group_size
+        self.source.group_ended(dispatch.task, solved=solved)
         if state in (State.FILTERED, State.FAILED):
             del self._outstanding[dispatch.id]
             self.metrics.record("tokens/wasted", dispatch.tokens, "sum")
-        if state is not None:
-            self._check_signal(state)
+        self._check_signal(state)
 
     async def _attempts(self, dispatch: Dispatch, index: int) -> Episode | None:
         """Run one rollout with its deadline, retrying failures; None when every attempt failed."""
@@ -285,11 +290,22 @@ class UnifiedTrainer:
             tokens = episode.num_completion_tokens
             m.record("episode/completion_tokens", tokens)
             dispatch.tokens += tokens
+            if episode.is_correct is not None:
+                dispatch.judged += 1
+                dispatch.correct += episode.is_correct
             self._count_tokens(tokens, wasted=False)
             self._step_episodes += 1
             return episode
         m.record("rollout/failures", 1, "sum")
         return None
+
+    def _record_solved(self, dispatch: Dispatch) -> None:
+        """Count a completed group whose rollouts were all judged as solved by all or by none: the
+        groups that teach nothing, by kind, whether or not they are filtered."""
+        n = self.config.rollout.group_size
+        if dispatch.judged == n:
+            self.metrics.record("groups/solve_all", float(dispatch.correct == n), "sum")
+            self.metrics.record("groups/solve_none", float(dispatch.correct == 0), "sum")
 
     def _check_signal(self, state: State) -> None:
         """Stop a run whose groups are all filtered for a whole pass over the data."""
@@ -460,7 +476,10 @@ class UnifiedTrainer:
         for key, n in changes.items():
             self.metrics.record(f"groups/{key}", n, "sum")
         self._step_counts = counts
-        return any(changes.values())
+        skipped = self.source.take_skipped()
+        if self.config.algorithm.skip_solved:
+            self.metrics.record("data/skipped_solved", skipped, "sum")
+        return any(changes.values()) or skipped > 0
 
     def _flush_extra_record(self, step: int) -> None:
         """One more record of `step`, for evaluations that finished after its record was written."""

@@ -162,6 +162,77 @@ def test_filter_unsolved_drops_groups_without_a_correct_rollout(tmp_path, filter
     assert sum(r.get("groups/filtered", 0) for r in records) == filtered
 
 
+class SolvedByKindWorkflow(Workflow):
+    """Task `kind` decides its rollouts: all correct, alternating, all wrong, or not judged."""
+
+    async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
+        await ctx.generate([1, 2, 3])
+        correct = {"all": True, "half": ctx.rollout_index % 2 == 0, "none": False, "unjudged": None}
+        is_correct = correct[task["kind"]]
+        ctx.set_reward(float(bool(is_correct)) + 0.1 * ctx.rollout_index)
+        episode = ctx.build_episode(None)
+        episode.is_correct = is_correct
+        return episode
+
+
+def test_groups_solved_by_every_rollout_or_by_none_are_counted(tmp_path) -> None:
+    kinds = ["all"] * 3 + ["half"] * 5 + ["none"] * 2 + ["unjudged"] * 6
+    train = [{"id": f"t{i}", "prompt": f"task {i}", "kind": k} for i, k in enumerate(kinds)]
+    cfg = make_config(tmp_path, train={"total_steps": 100, "total_epochs": 1})
+    trainer = UnifiedTrainer(
+        cfg, backend=FakeBackend(), workflow=SolvedByKindWorkflow(), train_tasks=train
+    )
+    records = fit(trainer)
+    assert trainer.coordinator.counts.consumed == 16, (
+        "every group has reward variance: none filtered"
+    )
+    assert sum(r.get("groups/solve_all", 0) for r in records) == 3
+    assert sum(r.get("groups/solve_none", 0) for r in records) == 2
+
+
+class EasyAndHardWorkflow(Workflow):
+    """Every rollout of an easy task is correct; a hard task's rollouts alternate right and wrong."""
+
+    async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
+        await ctx.generate([1, 2, 3])
+        correct = task["easy"] or ctx.rollout_index % 2 == 0
+        ctx.set_reward(float(correct))
+        episode = ctx.build_episode(None)
+        episode.is_correct = correct
+        return episode
+
+
+@pytest.mark.parametrize("skip_solved", [True, False])
+def test_skip_solved_spends_fewer_groups_on_problems_that_are_always_solved(
+    tmp_path, skip_solved
+) -> None:
+    # Two easy problems, each repeated 20 times under different ids, among 40 hard ones.
+    train = [{"id": f"e{i}", "prompt": f"easy {i % 2}", "easy": True} for i in range(40)]
+    train += [{"id": f"h{i}", "prompt": f"hard {i}", "easy": False} for i in range(40)]
+    backend = FakeBackend()
+    cfg = make_config(
+        tmp_path,
+        train={"total_steps": 100, "total_epochs": 1, "groups_per_step": 4},
+        algorithm={"skip_solved": skip_solved},
+    )
+    trainer = UnifiedTrainer(
+        cfg, backend=backend, workflow=EasyAndHardWorkflow(), train_tasks=train
+    )
+    records = fit(trainer)
+    trained_ids = sorted(task_id for step in backend.trained for task_id, _ in step)
+    assert trained_ids == sorted(f"h{i}" for i in range(40)), "every hard problem is trained on"
+    easy_groups = trainer.coordinator.counts.filtered
+    skipped = sum(r.get("data/skipped_solved", 0) for r in records)
+    if skip_solved:
+        assert easy_groups + skipped == 40, "each easy draw is either dispatched or skipped"
+        # Each easy problem's 20 draws: served, 1 skipped, served, 2, served, 4, served, 8, served,
+        # and the last 4 skipped again.
+        assert easy_groups == 2 * 5
+    else:
+        assert easy_groups == 40
+        assert "data/skipped_solved" not in records[0]
+
+
 def test_sync_hook_that_raises_surfaces_and_generation_resumes(tmp_path) -> None:
     backend = FakeBackend(sync_fault=lambda v: "raise" if v == 2 else None)
     cfg = make_config(tmp_path, coordinator={"sync_retries": 1})
