@@ -367,8 +367,8 @@ class UnifiedTrainer:
 
     async def _close_after_data_end(self) -> None:
         """The data ran out after the last step's record was written: groups that ended since
-        (filtered or failed) and an evaluation still running get one more record of that step,
-        the final evaluation another; then the final checkpoint."""
+        (filtered or failed), draws skipped since and an evaluation still running get one more
+        record of that step, the final evaluation another; then the final checkpoint."""
         cfg, version = self.config, self.coordinator.version
         groups_ended = self._record_group_counts(self.coordinator.snapshot())
         if await self._collect_eval(wait=True) or groups_ended:
@@ -471,7 +471,8 @@ class UnifiedTrainer:
         self._step_episodes = self._step_tokens = 0
 
     def _record_group_counts(self, counts: dict[str, int]) -> bool:
-        """Record how many groups ended each way since the last record; False if none did."""
+        """Record how many groups ended each way, and how many draws were skipped as solved,
+        since the last record; False if none did and none was."""
         changes = {key: counts[key] - self._step_counts[key] for key in _GROUP_COUNTS}
         for key, n in changes.items():
             self.metrics.record(f"groups/{key}", n, "sum")
