@@ -304,11 +304,16 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_batch() -> None:
         sampler.close()
 
 
-@pytest.mark.parametrize("slots", [[1, 2, 3], [0, 2, 3]], ids=["consecutive", "gathered"])
+@pytest.mark.parametrize(
+    "slots",
+    [[1, 2, 3], [0, 2, 3], [3, 1, 2], [0, 3, 7]],
+    ids=["consecutive", "spread", "unordered", "gathered"],
+)
 def test_cache_view_writes_and_attends_over_each_rows_own_slot(slots: list[int]) -> None:
-    """Rows at different positions, spanning several cache blocks, with grouped-query heads."""
+    """Rows at different positions, spanning several cache blocks, with grouped-query heads;
+    however the batch's slots lie (a run, a run with gaps, out of order, far apart)."""
     cache = KVCache(
-        n_layers=1, max_batch=4, n_kv_heads=2, max_seq_len=40, head_dim=4,
+        n_layers=1, max_batch=8, n_kv_heads=2, max_seq_len=40, head_dim=4,
         device=torch.device("cpu"), dtype=torch.float32,
     )  # fmt: skip
     cache.k.normal_()

@@ -7,6 +7,7 @@ import torch
 from rllm_async.backends.local.model import attention
 
 BLOCK = 32  # positions per cache block: 16 and 64 decoded slower (docs/benchmarks.md)
+SPREAD = 4  # a batch over a run of at most this many slots per row attends over the whole run
 
 
 class KVCache:
@@ -57,11 +58,6 @@ class CacheView:
         self.slots = slots
         self.positions = positions
         self.blocks = int(positions.max()) // BLOCK + 1
-        keys = torch.arange(self.blocks * BLOCK, device=positions.device)
-        visible = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [B, 1, T, blocks * BLOCK]
-        # Additive, so that every layer adds it rather than inverting and filling a boolean one.
-        self.mask = torch.zeros(visible.shape, device=positions.device, dtype=cache.k.dtype)
-        self.mask.masked_fill_(~visible, float("-inf"))
         # Where each (row, token, kv head) goes in a layer's cache flattened to [-1, head_dim]:
         # one index_copy_ per layer writes them all (advanced-index assignment is slower).
         _, _, max_batch, kv_heads, _, _ = cache.k.shape
@@ -69,13 +65,27 @@ class CacheView:
         first_row = (positions // BLOCK * max_batch + slots.unsqueeze(-1)) * kv_heads  # [B, T]
         rows = first_row.unsqueeze(-1) + heads  # [B, T, KV]
         self._write = (rows * BLOCK + (positions % BLOCK).unsqueeze(-1)).flatten()
-        # Consecutive slots are read as a view; any other set is gathered, which copies every
-        # row's history (with `index_select`: advanced indexing is several times slower here).
-        first = int(slots[0]) if slots.numel() else 0
-        consecutive = torch.equal(
-            slots, torch.arange(first, first + len(slots), device=slots.device)
-        )
-        self._rows = slice(first, first + len(slots)) if consecutive else slots
+        # Attention reads a run of slots as a view. When the batch's slots have gaps (requests
+        # leave between steps; versions decode apart), queries are scattered into the run and
+        # the rows between attend for nothing: cheaper than gathering the batch's rows, which
+        # copies every row's history. Sparse sets are gathered (`index_select`; advanced
+        # indexing is several times slower here).
+        first, end = (int(slots.min()), int(slots.max()) + 1) if slots.numel() else (0, 0)
+        self._spread: torch.Tensor | None = None
+        self._rows: slice | torch.Tensor = slice(first, end)
+        if end - first > SPREAD * len(slots):
+            self._rows = slots
+        elif end - first > len(slots) or not torch.equal(
+            slots, torch.arange(first, end, device=slots.device)
+        ):
+            self._spread = slots - first
+            run = positions.new_zeros(end - first, positions.shape[1])
+            positions = run.index_copy_(0, self._spread, positions)  # idle rows see position 0
+        keys = torch.arange(self.blocks * BLOCK, device=positions.device)
+        visible = (keys <= positions.unsqueeze(-1)).unsqueeze(1)  # [rows, 1, T, blocks * BLOCK]
+        # Additive, so that every layer adds it rather than inverting and filling a boolean one.
+        self.mask = torch.zeros(visible.shape, device=positions.device, dtype=cache.k.dtype)
+        self.mask.masked_fill_(~visible, float("-inf"))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write this pass's keys/values ([B, KV, T, D]) into the slots, then attend over them."""
@@ -87,10 +97,13 @@ class CacheView:
             0, self._write, v.transpose(1, 2).reshape(-1, d)
         )
         keys, values = self._read(self.cache.k[layer]), self._read(self.cache.v[layer])
+        if self._spread is not None:
+            q = q.new_zeros(keys.shape[1], *q.shape[1:]).index_copy_(0, self._spread, q)
         if q.shape[2] == 1:
-            return decode_attention(q, keys, values, self.mask)
-        # Prompts: lay the blocks out as rows ([B, KV, keys, D]) for one masked SDPA call.
-        return attention(q, _rows_of(keys), _rows_of(values), self.mask)
+            out = decode_attention(q, keys, values, self.mask)
+        else:  # prompts: lay the blocks out as rows ([B, KV, keys, D]) for one masked SDPA call
+            out = attention(q, _rows_of(keys), _rows_of(values), self.mask)
+        return out if self._spread is None else out.index_select(0, self._spread)
 
     def _read(self, layer_cache: torch.Tensor) -> torch.Tensor:
         """This batch's blocks in use, [blocks, B, KV, BLOCK, D]."""
@@ -112,10 +125,15 @@ def decode_attention(
     n, b, kv, block, d = keys.shape
     h = q.shape[1]
     qg = q.reshape(b, kv, h // kv, d) * d**-0.5  # [B, KV, group, D], scaled here: it is smaller
-    scores = qg @ keys.transpose(-1, -2)  # [N, B, KV, group, BLOCK]
-    scores = scores.permute(1, 2, 3, 0, 4).reshape(b, kv, h // kv, n * block) + mask
-    probs = torch.softmax(scores, dim=-1).view(b, kv, h // kv, n, block).permute(3, 0, 1, 2, 4)
-    return (probs @ values).sum(0).reshape(b, h, 1, d)
+    # Block by block: a block of a run of slots is one strided batch for `matmul`, where all the
+    # blocks at once are not, and reshaping them into one copies the history (several times
+    # slower than the attention itself).
+    scores = torch.cat([qg @ keys[i].transpose(-1, -2) for i in range(n)], dim=-1) + mask
+    probs = torch.softmax(scores, dim=-1)  # [B, KV, group, N * BLOCK]
+    out = probs[..., :block] @ values[0]
+    for i in range(1, n):
+        out += probs[..., i * block : (i + 1) * block] @ values[i]
+    return out.reshape(b, h, 1, d)
 
 
 def _rows_of(blocks: torch.Tensor) -> torch.Tensor:
