@@ -81,8 +81,10 @@ def test_warm_start_changes_the_model_and_is_cached(tmp_path) -> None:
 def test_eval_command_reports_held_out_accuracy_of_the_newest_checkpoint(tmp_path, capsys) -> None:
     import yaml
 
+    cfg = countdown_config(tmp_path, checkpoint={"every_steps": 1})
+    cfg["backend"]["learner"] = "process"  # as in the main job's config
     cfg_path = tmp_path / "cd.yaml"
-    cfg_path.write_text(yaml.safe_dump(countdown_config(tmp_path, checkpoint={"every_steps": 1})))
+    cfg_path.write_text(yaml.safe_dump(cfg))
     assert main(["train", str(cfg_path)]) == 0
     capsys.readouterr()
     run_dir = tmp_path / "runs" / "cd"

@@ -1,4 +1,5 @@
-"""`LocalBackend`: sampler and learner in this process, each on its own thread."""
+"""`LocalBackend`: the sampler on a thread of this process; the learner on a thread of it too, or on
+a process of its own (`learner: process`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
 from rllm_async.backends.local.learner import Learner
+from rllm_async.backends.local.learner_process import LearnerProcess, LearnerSpec
 from rllm_async.backends.local.model import (
     Transformer,
     build_model,
@@ -45,7 +47,10 @@ class LocalOptions(BaseModel):
     max_batch: int = Field(default=32, ge=1)  # sequences decoded together
     train_batch: int = Field(default=16, ge=1)  # sequences per trainer forward/backward
     max_seq_len: int = Field(default=256, ge=2)  # prompt + completion
-    threads: int = Field(default=1, ge=1)  # torch threads of the training thread
+    # Where training runs: a thread of this process, or a process of its own, which on a CPU
+    # spares it waiting for the interpreter lock that the sampler thread holds.
+    learner: Literal["thread", "process"] = "thread"
+    threads: int = Field(default=1, ge=1)  # torch threads of the learner
     sampler_threads: int = Field(default=1, ge=1)  # torch threads of the decode thread
     seed: int | None = None  # model init and unseeded sampling; None: the config's seed
     warm_start: WarmStartOptions | None = None  # supervised fine-tuning before RL, cached
@@ -99,17 +104,24 @@ class LocalBackend:
         if opts.warm_start is not None:
             identity = {"preset": opts.model, "path": opts.model_path}
             warm_start(model, tokenizer, opts.warm_start, identity=identity, seed=seed)
-        loss = config.algorithm.loss
-        ref = frozen_copy(model, self.device, torch.float32) if loss.kl_coef > 0 else None
-        self.learner = Learner(
-            model,
-            config.optim,
+        spec = LearnerSpec(
+            with_ref=config.algorithm.loss.kl_coef > 0,
+            optim=config.optim,
             total_steps=config.train.total_steps,
             temperature=config.rollout.temperature or 1.0,
             train_batch=opts.train_batch,
             compute_dtype=self.dtype,
-            ref_model=ref,
+            device=str(self.device),
+            threads=opts.threads,
         )
+        self.learner: Learner | LearnerProcess
+        if opts.learner == "process":
+            self.learner = LearnerProcess(spec, model)
+        else:
+            self.learner = spec.build(model)
+        # The learner's model, or in `process` mode this process's copy of its weights, which
+        # each snapshot refreshes first.
+        self._model = model
         self.store = WeightStore(0, frozen_copy(model, self.device, self.dtype))
         self.sampler = Sampler(
             self.store,
@@ -171,6 +183,8 @@ class LocalBackend:
         self._closed = True
         self.sampler.close()
         self._train.shutdown(wait=True)
+        if isinstance(self.learner, LearnerProcess):
+            self.learner.close()
 
     async def _on_train_thread(self, fn: Callable[..., T], *args: Any) -> T:
         if self._closed:
@@ -178,7 +192,9 @@ class LocalBackend:
         return await asyncio.get_running_loop().run_in_executor(self._train, fn, *args)
 
     def _snapshot(self) -> Transformer:
-        return frozen_copy(self.learner.model, self.device, self.dtype)
+        if isinstance(self.learner, LearnerProcess):
+            self._model.load_state_dict(self.learner.model_state())
+        return frozen_copy(self._model, self.device, self.dtype)
 
     def _save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)

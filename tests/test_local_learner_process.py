@@ -1,0 +1,216 @@
+"""`backend.learner: process`: the same training as on a thread; errors and deaths surface here."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from rllm_async.backends.local import LocalBackend
+from rllm_async.backends.local.learner_process import LearnerProcess, LearnerSpec
+from rllm_async.backends.local.model import build_model, preset_config
+from rllm_async.backends.local.tokenizer import CharTokenizer
+from rllm_async.config import OptimConfig
+from rllm_async.trainer import UnifiedTrainer
+from tests.test_local_backend import make_config, params, sample_groups
+
+
+def sampler_weights(backend: LocalBackend) -> torch.Tensor:
+    """The newest snapshot, which the sampler decodes with."""
+    _, model = backend.store.get(None)
+    return torch.cat([p.flatten() for p in model.parameters()])
+
+
+def learner_pid(backend: LocalBackend) -> int:
+    assert isinstance(backend.learner, LearnerProcess)
+    pid = backend.learner.pid
+    assert pid is not None
+    return pid
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_the_learner_process_trains_as_the_learner_thread_does(kl_coef: float) -> None:
+    algorithm = {"loss": {"kl_coef": kl_coef, "opsm_kl_threshold": 0.5}}
+    thread_cfg = make_config(algorithm=algorithm)
+    process_cfg = make_config({"learner": "process"}, algorithm=algorithm)
+    loss = thread_cfg.algorithm.loss
+
+    async def main() -> None:
+        thread = LocalBackend.from_config(thread_cfg)
+        process = LocalBackend.from_config(process_cfg)
+        start = sampler_weights(process)
+        torch.testing.assert_close(start, sampler_weights(thread), rtol=0, atol=0)
+        groups = await sample_groups(thread, 3)
+        for version in (1, 2):
+            metrics = []
+            for b in (thread, process):
+                metrics.append(
+                    [
+                        await b.forward_backward(groups[:2], loss),
+                        await b.forward_backward(groups[2:], loss),
+                        await b.optim_step(),
+                    ]
+                )
+                await b.on_policy_updated(version)
+            for on_thread, on_process in zip(*metrics, strict=True):
+                assert on_thread.keys() == on_process.keys()
+                for key, value in on_thread.items():
+                    assert on_process[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+            # The process's new weights reached this process's sampler.
+            torch.testing.assert_close(sampler_weights(process), sampler_weights(thread))
+        assert not torch.equal(sampler_weights(process), start)
+        torch.testing.assert_close(sampler_weights(process), params(thread))
+        for b in (thread, process):
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_checkpoints_move_between_the_learner_process_and_thread(tmp_path: Path) -> None:
+    process_cfg = make_config({"learner": "process"})
+    loss = process_cfg.algorithm.loss
+
+    async def main() -> None:
+        first = LocalBackend.from_config(process_cfg)
+        groups = await sample_groups(first, 2)
+        await first.forward_backward(groups, loss)
+        await first.optim_step()
+        await first.on_policy_updated(1)
+        await first.save(tmp_path / "ckpt")
+        await first.forward_backward(groups, loss)
+        expected = await first.optim_step()
+        await first.on_policy_updated(2)
+
+        for resumed_cfg in (make_config(), process_cfg):
+            resumed = LocalBackend.from_config(resumed_cfg)
+            await resumed.load(tmp_path / "ckpt")
+            assert resumed.policy().acquire() == 1
+            await resumed.forward_backward(groups, loss)
+            got = await resumed.optim_step()
+            await resumed.on_policy_updated(2)
+            assert got["optim/lr"] == expected["optim/lr"]  # the schedule position came along
+            assert got["optim/grad_norm"] == pytest.approx(expected["optim/grad_norm"], rel=1e-5)
+            torch.testing.assert_close(sampler_weights(resumed), sampler_weights(first))
+            await resumed.close()
+        await first.close()
+
+    asyncio.run(main())
+
+
+def test_errors_in_the_learner_process_are_raised_by_the_backend(tmp_path: Path) -> None:
+    cfg = make_config({"learner": "process"})
+
+    async def main() -> None:
+        backend = LocalBackend.from_config(cfg)
+        groups = await sample_groups(backend, 1)
+        with_kl = cfg.algorithm.loss.model_copy(update={"kl_coef": 0.1})
+        with pytest.raises(ValueError, match="kl_coef"):
+            await backend.forward_backward(groups, with_kl)
+        await backend.forward_backward(groups, cfg.algorithm.loss)  # the process lives on
+        with pytest.raises(RuntimeError, match="optim_step"):
+            await backend.save(tmp_path)
+        assert (await backend.optim_step())["optim/num_tokens"] > 0
+        await backend.close()
+
+    asyncio.run(main())
+
+
+def test_a_learner_process_that_dies_fails_the_next_call_with_its_exit_code() -> None:
+    cfg = make_config({"learner": "process"})
+
+    async def main() -> None:
+        backend = LocalBackend.from_config(cfg)
+        groups = await sample_groups(backend, 1)
+        pid = learner_pid(backend)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="exit code -9"):
+            await backend.forward_backward(groups, cfg.algorithm.loss)
+        await asyncio.wait_for(backend.close(), 30)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # reaped
+
+    asyncio.run(main())
+
+
+def test_closing_the_backend_stops_the_learner_process() -> None:
+    async def main() -> None:
+        backend = LocalBackend.from_config(make_config({"learner": "process"}))
+        pid = learner_pid(backend)
+        os.kill(pid, 0)  # running
+        await backend.close()
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        await backend.close()  # idempotent
+        with pytest.raises(RuntimeError, match="closed"):
+            await backend.optim_step()
+
+    asyncio.run(main())
+
+
+def test_the_learner_process_leaves_ctrl_c_to_the_backend() -> None:
+    """Ctrl-C reaches the whole process group: the learner must stay up for the backend's own
+    shutdown (which may save a checkpoint through it), then stop when the backend closes it."""
+    cfg = make_config({"learner": "process"})
+
+    async def main() -> None:
+        backend = LocalBackend.from_config(cfg)
+        os.kill(learner_pid(backend), signal.SIGINT)
+        await asyncio.sleep(0.2)
+        await backend.forward_backward(await sample_groups(backend, 1), cfg.algorithm.loss)
+        assert (await backend.optim_step())["optim/num_tokens"] > 0
+        await backend.close()
+
+    asyncio.run(main())
+
+
+def test_an_interrupted_run_stops_its_learner_process(tmp_path: Path) -> None:
+    cfg = make_config(
+        {"learner": "process"},
+        name="interrupted",
+        run_dir=str(tmp_path),
+        data={
+            "train": {
+                "generator": "rllm_async.workflows.tasks.countdown:generator",
+                "args": {"n": 1000, "seed": 0},
+            }
+        },
+        workflow={
+            "cls": "rllm_async.workflows.SingleTurnWorkflow",
+            "args": {"reward_fn": "rllm_async.workflows.tasks.countdown:reward"},
+        },
+        algorithm={"filter_zero_variance": False},  # an untrained model rarely scores
+        train={"total_steps": 10_000, "groups_per_step": 2},
+        logging={"progress_bar": False},
+    )
+    trainer = UnifiedTrainer(cfg)
+    pid = learner_pid(trainer.backend)
+    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    assert trainer.records, "it trained before the interrupt"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_a_learner_process_that_cannot_start_says_why() -> None:
+    spec = LearnerSpec(
+        with_ref=False,
+        optim=OptimConfig(),
+        total_steps=1,
+        temperature=1.0,
+        train_batch=1,
+        compute_dtype=torch.float32,
+        device="cuda:0",  # the child cannot put the model there
+        threads=1,
+    )
+    model = build_model(preset_config("tiny", CharTokenizer().vocab_size), seed=0)
+    with pytest.raises(Exception, match=r"(?i)cuda|nvidia") as failed:
+        LearnerProcess(spec, model)
+    assert "exited" not in str(failed.value), "the child's own error, not just its death"
