@@ -193,7 +193,7 @@ class LocalBackend:
 
     def _snapshot(self) -> Transformer:
         if isinstance(self.learner, LearnerProcess):
-            self._model.load_state_dict(self.learner.model_state())
+            self.learner.copy_weights_to(self._model)
         return frozen_copy(self._model, self.device, self.dtype)
 
     def _save(self, path: Path) -> None:
