@@ -84,7 +84,8 @@ def local_model(config: Config, opts: LocalOptions) -> tuple[Transformer, CharTo
     """Our trainable model after the (cached) warm start, built by `LocalBackend` itself."""
     if config.backend.name != "local" or opts.model_path is not None:
         raise SystemExit("this benchmark needs backend.name: local with a built-in backend.model")
-    backend = LocalBackend.from_config(config)
+    # On a thread, so that the learner's model is here to take.
+    backend = LocalBackend(config, opts.model_copy(update={"learner": "thread"}))
     asyncio.run(backend.close())  # only the weights are needed: stop its sampler thread
     tokenizer = backend.sampler.tokenizer
     assert isinstance(tokenizer, CharTokenizer)

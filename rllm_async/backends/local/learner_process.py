@@ -1,8 +1,8 @@
 """The learner on a process of its own (`backend.learner: process`).
 
 On a CPU the sampler thread, the event loop and a training thread share one interpreter lock, and
-every op the trainer's forward pass dispatches waits for it: beside a busy sampler, a micro-batch
-took 20-40% longer (docs/benchmarks.md). A process has its own lock. The learner is built there
+every op the trainer's forward pass dispatches waits for it: in the main job's runs a step's
+forward/backward took 18-27% less time on a process (docs/benchmarks.md). A process has its own lock. The learner is built there
 from the starting weights; the backend calls it over a pipe, one call at a time from its training
 thread, and for each sampler snapshot the child copies its weights into a buffer in shared memory
 that the backend then copies out of (a state dict through the pipe took about 15 ms more a step).
