@@ -85,7 +85,8 @@ class LocalPolicy:
 
 
 class LocalBackend:
-    """Plain PyTorch on CPU or one GPU: a dynamic-batching sampler thread and a training thread."""
+    """Plain PyTorch on CPU or one GPU: a dynamic-batching sampler thread, and a training thread
+    or process."""
 
     options: ClassVar[type[BaseModel]] = LocalOptions
     virtual_clock: ClassVar[bool] = False
