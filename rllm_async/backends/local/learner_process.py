@@ -5,7 +5,7 @@ every op the trainer's forward pass dispatches waits for it: in the main job's r
 forward/backward took 18-27% less time on a process (docs/benchmarks.md). A process has its own lock. The learner is built there
 from the starting weights; the backend calls it over a pipe, one call at a time from its training
 thread, and for each sampler snapshot the child copies its weights into a buffer in shared memory
-that the backend then copies out of (a state dict through the pipe took about 15 ms more a step).
+that the backend then copies out of (a state dict through the pipe took about 10 ms more a step).
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def _layout(model: Transformer) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
-# The calls the backend makes; nothing else crosses the pipe.
+# The calls the backend makes, besides "share_weights" (which needs the shared buffer): nothing
+# else crosses the pipe.
 _CALLS: dict[str, Callable[..., Any]] = {
     "forward_backward": Learner.forward_backward,
     "optim_step": Learner.optim_step,
