@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -201,6 +202,45 @@ def test_cancelled_request_frees_its_slot_and_close_is_idempotent() -> None:
             await policy.generate(p, SamplingParams(max_tokens=3))
 
     asyncio.run(main())
+
+
+def test_callers_on_event_loops_of_their_own_share_the_sampler() -> None:
+    """Each caller's completions come back on its own loop; one whose loop closed while it waited
+    does not stop the sampler from serving the others."""
+    backend = make_backend(max_batch=8)
+    policy = backend.policy()
+    p = prompt(backend, "two loops")
+    params = [SamplingParams(max_tokens=8, seed=i) for i in range(4)]
+
+    abandoned = asyncio.new_event_loop()
+    abandoned.run_until_complete(asyncio.sleep(0))
+    pending = abandoned.create_task(policy.generate(p, SamplingParams(max_tokens=1)))
+    abandoned.run_until_complete(asyncio.sleep(0))  # the request is queued
+    abandoned.close()  # its completion can no longer be delivered
+
+    results: dict[str, list[Completion]] = {}
+    start = threading.Barrier(2)
+
+    def caller(name: str) -> None:
+        async def main() -> None:
+            start.wait()  # both loops queue their requests at about the same time
+            results[name] = await asyncio.wait_for(
+                asyncio.gather(*(policy.generate(p, q) for q in params)), 30
+            )
+
+        asyncio.run(main())
+
+    threads = [threading.Thread(target=caller, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(results) == ["a", "b"]
+    # The same seeds give the same tokens on either loop, whatever the batch.
+    assert [c.ids for c in results["a"]] == [c.ids for c in results["b"]]
+    assert all(1 <= len(c.ids) <= 8 for c in results["a"])
+    assert not pending.done()
+    asyncio.run(backend.close())
 
 
 def test_free_slots_go_to_lower_priority_values_first_then_in_arrival_order() -> None:

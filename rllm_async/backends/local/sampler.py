@@ -9,7 +9,7 @@ requests by `SamplingParams.priority`, then in arrival order.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import heapq
 import itertools
 import random
@@ -33,8 +33,11 @@ class _Request:
     max_new: int
     pinned: tuple[int, Transformer] | None  # a version and its weights; None: newest each step
     rng: random.Random  # this request's own stream: its samples do not depend on its batch-mates
-    future: concurrent.futures.Future[Completion]
+    # Resolved on its caller's loop (`_deliver`). The decode thread only asks `cancelled()`, one
+    # read of its state: a cancel it misses is seen at the next step.
+    future: asyncio.Future[Completion]
     slot: int = -1
+    reason: str = "stop"  # why it ended
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -89,6 +92,7 @@ class Sampler:
         self._pending: list[tuple[int, int, _Request]] = []
         self._arrivals = itertools.count()
         self._active: list[_Request] = []
+        self._ended: list[tuple[_Request, Exception | None]] = []  # for `_deliver`
         self._wake = threading.Condition()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rllm-local-sampler", daemon=True)
@@ -111,7 +115,7 @@ class Sampler:
             )
         pinned = self.store.get(version) if version is not None else None
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        future: concurrent.futures.Future[Completion] = concurrent.futures.Future()
+        future = asyncio.get_running_loop().create_future()
         request = _Request(
             prompt=list(prompt_ids),
             params=params,
@@ -125,7 +129,7 @@ class Sampler:
                 raise RuntimeError("the sampler is closed")
             heapq.heappush(self._pending, (params.priority, next(self._arrivals), request))
             self._wake.notify()
-        return await asyncio.wrap_future(future)
+        return await future
 
     def close(self) -> None:
         """Stop the decode thread and fail whatever is still queued or running; idempotent."""
@@ -153,11 +157,13 @@ class Sampler:
                 for request in [*joiners, *self._active]:
                     self._finish(request, error=e)
                 self._active = []
+            self._deliver()
         with self._wake:
             leftover = [*(queued[2] for queued in self._pending), *self._active]
             self._pending.clear()
         for request in leftover:
             self._finish(request, error=RuntimeError("the sampler was closed"))
+        self._deliver()
 
     def _prefill(self, joiners: list[_Request]) -> None:
         """Run the prompts of newly admitted requests and sample their first tokens.
@@ -258,18 +264,39 @@ class Sampler:
     def _finish(
         self, request: _Request, *, reason: str = "stop", error: Exception | None = None
     ) -> None:
+        """Free the request's slot and queue its outcome for `_deliver`."""
         if request.slot >= 0:
             with self._wake:
                 heapq.heappush(self._free, request.slot)
             request.slot = -1
-        try:
-            if error is not None:
-                request.future.set_exception(error)
-            else:
-                completion = Completion(request.ids, request.logprobs, request.versions, reason)
-                request.future.set_result(completion)
-        except concurrent.futures.InvalidStateError:
-            pass  # the caller cancelled it meanwhile
+        if error is None:
+            request.reason = reason
+        self._ended.append((request, error))
+
+    def _deliver(self) -> None:
+        """Hand the requests that ended this step to their callers: one wake-up of each caller's
+        event loop per step, not one per request (a loop thread woken a thousand times a second
+        takes the interpreter lock from this thread as often)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, Exception | None]]] = {}
+        for request, error in self._ended:
+            by_loop.setdefault(request.future.get_loop(), []).append((request, error))
+        self._ended = []
+        for loop, ended in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody waits
+                loop.call_soon_threadsafe(_resolve, ended)
+
+
+def _resolve(ended: list[tuple[_Request, Exception | None]]) -> None:
+    """On the callers' loop: complete the futures of ended requests, unless cancelled meanwhile."""
+    for request, error in ended:
+        if request.future.done():
+            continue
+        if error is not None:
+            request.future.set_exception(error)
+        else:
+            request.future.set_result(
+                Completion(request.ids, request.logprobs, request.versions, request.reason)
+            )
 
 
 def _slot(request: _Request) -> int:
