@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import threading
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from rllm_async.backends.local import LocalBackend
+from rllm_async.backends.local import backend as backend_module
 from rllm_async.backends.local.learner_process import LearnerProcess, LearnerSpec
 from rllm_async.backends.local.model import build_model, preset_config
 from rllm_async.backends.local.tokenizer import CharTokenizer
@@ -214,3 +216,16 @@ def test_a_learner_process_that_cannot_start_says_why() -> None:
     with pytest.raises(Exception, match=r"(?i)cuda|nvidia") as failed:
         LearnerProcess(spec, model)
     assert "exited" not in str(failed.value), "the child's own error, not just its death"
+
+
+def test_a_backend_that_fails_to_build_leaves_no_learner_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken_sampler(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the sampler could not start")
+
+    monkeypatch.setattr(backend_module, "Sampler", broken_sampler)
+    before = set(multiprocessing.active_children())
+    with pytest.raises(RuntimeError, match="could not start"):
+        LocalBackend.from_config(make_config({"learner": "process"}))
+    assert set(multiprocessing.active_children()) == before

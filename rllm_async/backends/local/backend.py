@@ -115,11 +115,6 @@ class LocalBackend:
             device=str(self.device),
             threads=opts.threads,
         )
-        self.learner: Learner | LearnerProcess
-        if opts.learner == "process":
-            self.learner = LearnerProcess(spec, model)
-        else:
-            self.learner = spec.build(model)
         # The learner's model, or in `process` mode this process's copy of its weights, which
         # each snapshot refreshes first.
         self._model = model
@@ -139,6 +134,12 @@ class LocalBackend:
         self._train = concurrent.futures.ThreadPoolExecutor(
             1, "rllm-local-train", initializer=torch.set_num_threads, initargs=(opts.threads,)
         )
+        # Last, so that no later failure can leave the learner's process behind.
+        self.learner: Learner | LearnerProcess
+        if opts.learner == "process":
+            self.learner = LearnerProcess(spec, model)
+        else:
+            self.learner = spec.build(model)
         self._closed = False
 
     @classmethod
