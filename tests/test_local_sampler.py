@@ -213,7 +213,6 @@ def test_callers_on_event_loops_of_their_own_share_the_sampler() -> None:
     params = [SamplingParams(max_tokens=8, seed=i) for i in range(4)]
 
     abandoned = asyncio.new_event_loop()
-    abandoned.run_until_complete(asyncio.sleep(0))
     pending = abandoned.create_task(policy.generate(p, SamplingParams(max_tokens=1)))
     abandoned.run_until_complete(asyncio.sleep(0))  # the request is queued
     abandoned.close()  # its completion can no longer be delivered

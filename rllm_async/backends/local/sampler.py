@@ -37,7 +37,8 @@ class _Request:
     # read of its state: a cancel it misses is seen at the next step.
     future: asyncio.Future[Completion]
     slot: int = -1
-    reason: str = "stop"  # why it ended
+    reason: str = "stop"  # why it ended, unless `error` is set
+    error: Exception | None = None
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -92,7 +93,7 @@ class Sampler:
         self._pending: list[tuple[int, int, _Request]] = []
         self._arrivals = itertools.count()
         self._active: list[_Request] = []
-        self._ended: list[tuple[_Request, Exception | None]] = []  # for `_deliver`
+        self._ended: list[_Request] = []  # for `_deliver`
         self._wake = threading.Condition()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rllm-local-sampler", daemon=True)
@@ -269,30 +270,29 @@ class Sampler:
             with self._wake:
                 heapq.heappush(self._free, request.slot)
             request.slot = -1
-        if error is None:
-            request.reason = reason
-        self._ended.append((request, error))
+        request.reason, request.error = reason, error
+        self._ended.append(request)
 
     def _deliver(self) -> None:
         """Hand the requests that ended this step to their callers: one wake-up of each caller's
         event loop per step, not one per request (a loop thread woken a thousand times a second
         takes the interpreter lock from this thread as often)."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, Exception | None]]] = {}
-        for request, error in self._ended:
-            by_loop.setdefault(request.future.get_loop(), []).append((request, error))
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Request]] = {}
+        for request in self._ended:
+            by_loop.setdefault(request.future.get_loop(), []).append(request)
         self._ended = []
         for loop, ended in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody waits
                 loop.call_soon_threadsafe(_resolve, ended)
 
 
-def _resolve(ended: list[tuple[_Request, Exception | None]]) -> None:
+def _resolve(ended: list[_Request]) -> None:
     """On the callers' loop: complete the futures of ended requests, unless cancelled meanwhile."""
-    for request, error in ended:
+    for request in ended:
         if request.future.done():
             continue
-        if error is not None:
-            request.future.set_exception(error)
+        if request.error is not None:
+            request.future.set_exception(request.error)
         else:
             request.future.set_result(
                 Completion(request.ids, request.logprobs, request.versions, request.reason)
