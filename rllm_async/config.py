@@ -192,6 +192,17 @@ class Config(_Section):
                 f"pipeline_depth ({co.pipeline_depth}): raise max_staleness to "
                 f"{co.pipeline_depth} or more, set it to null (no hard bound), or lower pipeline_depth"
             )
+        attempts_s = ro.timeout_s * (ro.retries + 1)
+        if co.stall_timeout_s < attempts_s:
+            if "stall_timeout_s" in co.model_fields_set:
+                raise ValueError(
+                    f"coordinator.stall_timeout_s ({co.stall_timeout_s}) is shorter than a rollout "
+                    f"may take: rollout.timeout_s ({ro.timeout_s}) x (rollout.retries "
+                    f"({ro.retries}) + 1) = {attempts_s}, so a slow group would stop the run as a "
+                    f"stall; raise stall_timeout_s to {attempts_s} or more, or lower "
+                    "rollout.timeout_s or rollout.retries"
+                )
+            object.__setattr__(co, "stall_timeout_s", attempts_s)  # the default follows
         if ro.min_group_size > ro.group_size:
             raise ValueError(
                 f"rollout.min_group_size ({ro.min_group_size}) cannot exceed rollout.group_size "

@@ -183,6 +183,7 @@ class SyncCoordinator:
         self._unpaused.clear()
         if self._rollouts is not None:
             self._rollouts.change(start, blocked=True)
+        self.notify()  # waiters stop their stall clocks (see `wait_for`)
         hook_s = 0.0
         try:
             for attempt in range(self.config.sync_retries + 1):
@@ -231,18 +232,29 @@ class SyncCoordinator:
     # -- waiting ----------------------------------------------------------------------------
 
     async def wait_for(self, predicate: Callable[[], bool], what: str) -> None:
-        """Wait, event-driven, until `predicate()` holds; raise StallError after the stall timeout."""
-        if predicate():
-            return
-        try:
-            async with asyncio.timeout(self.config.stall_timeout_s):
-                while not predicate():
-                    await self._changed.wait()
-        except TimeoutError:
-            raise StallError(
-                f"no progress for coordinator.stall_timeout_s={self.config.stall_timeout_s}s while "
-                f"waiting for {what}; counts: {self.snapshot()}"
-            ) from None
+        """Wait, event-driven, until `predicate()` holds; raise StallError after the stall timeout.
+
+        Time while a weight sync runs is not counted: a sync is progress, bounded by its own
+        `sync_timeout_s`, and it ends with an event that wakes every waiter.
+        """
+        loop = asyncio.get_running_loop()
+        waited = 0.0
+        while not predicate():
+            changed = self._changed
+            if self.paused:
+                await changed.wait()
+                continue
+            t0 = loop.time()
+            try:
+                async with asyncio.timeout(self.config.stall_timeout_s - waited):
+                    await changed.wait()
+            except TimeoutError:
+                raise StallError(
+                    f"no progress for coordinator.stall_timeout_s={self.config.stall_timeout_s}s "
+                    f"while waiting for {what}; counts: {self.snapshot()}"
+                ) from None
+            finally:
+                waited += loop.time() - t0
 
     def notify(self) -> None:
         """Wake every waiter to re-check its condition."""

@@ -268,7 +268,7 @@ class UnifiedTrainer:
                 attempt=attempt,
             )
             try:
-                async with asyncio.timeout_at(ctx.deadline):
+                async with ctx.timeout():
                     result = await self.workflow.run(dispatch.task, ctx)
                 episode = ctx.build_episode(result)
                 if not math.isfinite(episode.reward):
@@ -554,7 +554,7 @@ class UnifiedTrainer:
                     task_id=task["id"],
                 )
                 try:
-                    async with asyncio.timeout_at(ctx.deadline):
+                    async with ctx.timeout():
                         return ctx.build_episode(await self.workflow.run(task, ctx))
                 except Exception:
                     return None

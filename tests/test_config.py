@@ -51,6 +51,11 @@ def test_wrong_type_names_the_key_and_value() -> None:
             ["train.micro_batch_groups=32", "train.groups_per_step=16"],
             "micro_batch_groups .32. cannot exceed",
         ),
+        (
+            ["coordinator.stall_timeout_s=500", "rollout.timeout_s=300"],
+            r"coordinator.stall_timeout_s .500.0. is shorter .*rollout.timeout_s .300.0. x "
+            r"\(rollout.retries .1. \+ 1\) = 600.0",
+        ),
         (["coordinator.stale_policy=keep"], "coordinator.stale_policy"),
         (["rollout.max_failure_rate=1.5"], "rollout.max_failure_rate"),
     ],
@@ -58,6 +63,12 @@ def test_wrong_type_names_the_key_and_value() -> None:
 def test_impossible_combinations_are_refused(overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_the_default_stall_timeout_covers_every_attempt_of_a_rollout() -> None:
+    assert load_config(None).coordinator.stall_timeout_s == 3600.0
+    cfg = load_config(None, ["rollout.timeout_s=3000", "rollout.retries=2"])
+    assert cfg.coordinator.stall_timeout_s == 9000.0
 
 
 def test_sync_mode_is_async_with_d0_k0_pin() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -259,8 +260,6 @@ def test_sync_hook_that_hangs_times_out_and_generation_resumes(tmp_path) -> None
     )
 
     async def timed() -> float:
-        import asyncio
-
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         with pytest.raises(SyncTimeoutError, match=r"sync_timeout_s=42\.0"):
@@ -273,16 +272,82 @@ def test_sync_hook_that_hangs_times_out_and_generation_resumes(tmp_path) -> None
 
 
 def test_stall_is_reported_with_counts(tmp_path) -> None:
-    # Every rollout hangs and the deadline is longer than the stall timeout.
-    workflow = ScriptedWorkflow(fault=lambda t, i, a: "hang")
-    cfg = make_config(tmp_path, rollout={"timeout_s": 1e6}, coordinator={"stall_timeout_s": 100.0})
-    trainer = UnifiedTrainer(cfg, backend=FakeBackend(), workflow=workflow, train_tasks=tasks(10))
-    with pytest.raises(StallError, match="in_flight"):
+    # The learner never returns from its first forward/backward, so admission never reopens.
+    cfg = make_config(tmp_path, coordinator={"stall_timeout_s": 200.0})
+    trainer = UnifiedTrainer(
+        cfg, backend=FakeBackend(train_s=1e9), workflow=ScriptedWorkflow(), train_tasks=tasks(10)
+    )
+    with pytest.raises(StallError, match=r"stall_timeout_s=200\.0.*admission.*in_flight"):
         fit(trainer)
 
 
+class SlowSyncBackend(FakeBackend):
+    """A FakeBackend whose weight sync to version `slow_version` takes `slow_s` seconds."""
+
+    def __init__(self, slow_version: int, slow_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.slow_version = slow_version
+        self.slow_s = slow_s
+
+    async def on_policy_updated(self, version: int) -> None:
+        if version == self.slow_version:
+            await asyncio.sleep(self.slow_s)
+        await super().on_policy_updated(version)
+
+
+class TwoCallWorkflow(Workflow):
+    """Generates, thinks for a while, generates again: the second call may wait for a sync."""
+
+    async def run(self, task: dict[str, Any], ctx: RolloutContext) -> float:
+        await ctx.generate([1])
+        await asyncio.sleep(3.0)
+        await ctx.generate([2])
+        return float(ctx.rollout_index % 2)
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_a_sync_longer_than_the_rollout_deadline_loses_no_rollout(tmp_path, depth) -> None:
+    # The sync to version 3 takes 590 s, within sync_timeout_s (600 s) but far past the
+    # rollouts' 300 s deadline: the rollouts that wait for it are not charged for the wait.
+    mode = "sync" if depth == 0 else "async"
+    coordinator = {} if depth == 0 else {"pipeline_depth": depth, "max_staleness": depth}
+    cfg = make_config(
+        tmp_path,
+        mode=mode,
+        coordinator=coordinator,
+        rollout={"timeout_s": 300.0},
+        train={"total_steps": 8},
+    )
+    backend = SlowSyncBackend(3, 590.0, latency=lambda: 5.0)
+    trainer = UnifiedTrainer(
+        cfg, backend=backend, workflow=TwoCallWorkflow(), train_tasks=tasks(40)
+    )
+    records = fit(trainer)
+    assert len(records) == 8
+    assert max(r["time/sync_s"] for r in records) >= 590.0
+    for key in ("rollout/timeouts", "rollout/failures", "tokens/wasted", "groups/failed"):
+        assert sum(r.get(key, 0) for r in records) == 0, key
+    assert all(len(rewards) == 4 for step in backend.trained for _, rewards in step)
+
+
+def test_a_sync_within_its_timeout_is_not_a_stall(tmp_path) -> None:
+    # A 450 s sync with a 300 s stall timeout: the sync is progress, not a stall.
+    cfg = make_config(
+        tmp_path,
+        coordinator={"pipeline_depth": 1, "stall_timeout_s": 300.0, "sync_timeout_s": 600.0},
+        rollout={"timeout_s": 60.0},
+        train={"total_steps": 4},
+    )
+    backend = SlowSyncBackend(2, 450.0, latency=lambda: 5.0)
+    trainer = UnifiedTrainer(
+        cfg, backend=backend, workflow=ScriptedWorkflow(), train_tasks=tasks(20)
+    )
+    records = fit(trainer)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert max(r["time/sync_s"] for r in records) >= 450.0
+
+
 def test_latest_mode_records_newer_versions_and_pin_never_spans_two(tmp_path) -> None:
-    import asyncio
 
     from rllm_async.workflows.base import Workflow
 

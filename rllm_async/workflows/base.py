@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,8 @@ class RolloutContext:
 
     With `pin=True` the first call fixes the policy version for the whole episode; a `version`
     acquired by the caller (evaluation) pins every call to it. Every call waits while the
-    coordinator has paused model calls for a weight sync (`wait_unpaused`).
+    coordinator has paused model calls for a weight sync (`wait_unpaused`); that wait is not
+    charged to the episode: it moves the deadline, and every `timeout()` scope with it.
 
     Per-step rewards (`set_step_reward`) are added to the actor's outcome reward (`set_reward`, or
     the float `run` returns) when the episode is built: the trajectory's reward, which the group
@@ -86,7 +88,8 @@ class RolloutContext:
     ) -> None:
         self.policy = policy
         self.sampling = sampling
-        self.deadline = deadline
+        self._deadline = deadline
+        self._scopes: dict[asyncio.Timeout, float] = {}  # open `timeout()` scopes: their margins
         self.task_id = task_id
         self.rollout_index = rollout_index
         self.attempt = attempt
@@ -96,6 +99,21 @@ class RolloutContext:
         self._owns_version = False
         self._trajectories: dict[str, Trajectory] = {}
         self._chats: dict[str, ChatHistory] = {}
+
+    @property
+    def deadline(self) -> float:
+        """When this episode must end, on the event loop's clock; later by every sync it waited for."""
+        return self._deadline
+
+    @contextlib.asynccontextmanager
+    async def timeout(self, margin_s: float = 0.0) -> AsyncIterator[None]:
+        """A scope that raises TimeoutError `margin_s` before the deadline, and moves with it."""
+        async with asyncio.timeout_at(self._deadline - margin_s) as scope:
+            self._scopes[scope] = margin_s
+            try:
+                yield
+            finally:
+                del self._scopes[scope]
 
     @property
     def time_left(self) -> float:
@@ -152,7 +170,7 @@ class RolloutContext:
                 "shorten the conversation or raise the backend's context (backend.max_seq_len)"
             )
         params = self.sampling.updated(**sampling)
-        await self._wait_unpaused()
+        await self._wait_out_sync()
         if self._pin and self._version is None:
             self._version = self.policy.acquire()
             self._owns_version = True
@@ -218,6 +236,22 @@ class RolloutContext:
         step.info["extended"] = extended
         history.add(messages, message, tools, step.prompt_ids, step.completion_ids)
         return ChatTurn(copy.deepcopy(message), step, errors, extended)
+
+    async def _wait_out_sync(self) -> None:
+        """Wait while a weight sync pauses model calls, with the deadline stopped meanwhile."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self._reschedule(stopped=True)
+        try:
+            await self._wait_unpaused()
+        finally:
+            self._deadline += loop.time() - start
+            self._reschedule(stopped=False)
+
+    def _reschedule(self, *, stopped: bool) -> None:
+        for scope, margin_s in self._scopes.items():
+            if not scope.expired():
+                scope.reschedule(None if stopped else self._deadline - margin_s)
 
     def set_reward(self, reward: float, actor: str = "default") -> None:
         self.trajectory(actor).reward = float(reward)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from rllm_async.types import Episode, Termination
 from rllm_async.workflows.base import ContextLengthError, RolloutContext, Workflow
-from rllm_async.workflows.multi_turn import conversation_deadline, load, maybe_await
+from rllm_async.workflows.multi_turn import load, maybe_await
 
 StepResult = tuple[str, float, bool]
 
@@ -61,7 +60,7 @@ class EnvWorkflow(Workflow):
             if self.system_prompt:
                 messages.insert(0, {"role": "system", "content": self.system_prompt})
             try:
-                async with asyncio.timeout_at(conversation_deadline(ctx, self.deadline_grace_s)):
+                async with ctx.timeout(self.deadline_grace_s):  # a TIMEOUT, scored and trained
                     for _ in range(self.max_turns):
                         reply = await ctx.chat(messages)
                         observation, reward, done = await maybe_await(env.step(reply["content"]))

@@ -35,12 +35,6 @@ def score(fn: Callable[..., Any], *args: Any) -> tuple[float, bool | None]:
     return (float(out[0]), bool(out[1])) if isinstance(out, tuple) else (float(out), None)
 
 
-def conversation_deadline(ctx: RolloutContext, grace_s: float) -> float:
-    """When a conversation stops taking turns: `grace_s` before the episode's deadline, so that it
-    is scored and trained as a TIMEOUT rather than cancelled by the trainer."""
-    return ctx.deadline - grace_s
-
-
 @dataclass
 class Tool:
     """A python callable (sync or async) the model may call, and the JSON schema of its arguments.
@@ -132,7 +126,9 @@ class MultiTurnWorkflow(Workflow):
         stats = {"turns": 0.0, "tool_calls": 0.0, "tool_errors": 0.0}
         termination = Termination.MAX_TURNS
         try:
-            async with asyncio.timeout_at(conversation_deadline(ctx, self.deadline_grace_s)):
+            # Stop `deadline_grace_s` before the episode's deadline, so that the conversation is
+            # scored and trained as a TIMEOUT rather than cancelled by the trainer.
+            async with ctx.timeout(self.deadline_grace_s):
                 termination = await self._converse(messages, ctx, stats)
         except TimeoutError:
             termination = Termination.TIMEOUT
