@@ -6,8 +6,14 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -19,6 +25,7 @@ from rllm_async.backends.local.model import build_model, preset_config
 from rllm_async.backends.local.tokenizer import CharTokenizer
 from rllm_async.config import OptimConfig
 from rllm_async.trainer import UnifiedTrainer
+from rllm_async.types import TrajectoryGroup
 from tests.test_local_backend import make_config, params, sample_groups
 
 
@@ -122,21 +129,96 @@ def test_errors_in_the_learner_process_are_raised_by_the_backend(tmp_path: Path)
     asyncio.run(main())
 
 
-def test_a_learner_process_that_dies_fails_the_next_call_with_its_exit_code() -> None:
+@dataclass
+class HeldGroups:
+    """Groups that hold the learner process inside `forward_backward`: iterating them, the call's
+    first work, creates the file `entered` and then sleeps (until the test kills the process)."""
+
+    groups: list[TrajectoryGroup]
+    entered: Path
+
+    def __iter__(self) -> Iterator[TrajectoryGroup]:
+        self.entered.touch()
+        time.sleep(600)
+        return iter(self.groups)
+
+
+KILLED = (
+    r"the learner process was killed by SIGKILL \(exit code -9; perhaps it ran out of memory\) "
+    r"during forward_backward\(\)\. Set backend\.learner: thread to train in this process"
+)
+
+
+@pytest.mark.parametrize("when", ["between calls", "during a call"])
+def test_a_learner_process_killed_fails_its_call_at_once_naming_the_signal(
+    when: str, tmp_path: Path
+) -> None:
     cfg = make_config({"learner": "process"})
+    loss = cfg.algorithm.loss
 
     async def main() -> None:
         backend = LocalBackend.from_config(cfg)
         groups = await sample_groups(backend, 1)
         pid = learner_pid(backend)
-        os.kill(pid, signal.SIGKILL)
-        with pytest.raises(RuntimeError, match="exit code -9"):
-            await backend.forward_backward(groups, cfg.algorithm.loss)
-        await asyncio.wait_for(backend.close(), 30)
+        if when == "between calls":
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            call = asyncio.ensure_future(backend.forward_backward(groups, loss))
+        else:
+            entered = tmp_path / "entered"
+            held = cast(list[TrajectoryGroup], HeldGroups(groups, entered))
+            call = asyncio.ensure_future(backend.forward_backward(held, loss))
+            async with asyncio.timeout(60):
+                while not entered.exists():
+                    await asyncio.sleep(0.01)
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+        with pytest.raises(RuntimeError, match=KILLED):
+            await asyncio.wait_for(call, 10)
+        assert time.monotonic() - killed < 10
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # reaped
+        with pytest.raises(RuntimeError, match="killed by SIGKILL"):
+            await asyncio.wait_for(backend.optim_step(), 10)  # every later call fails too
+        await asyncio.wait_for(backend.close(), 30)
 
     asyncio.run(main())
+
+
+# Fed on standard input, this program has no file that a spawned process could import as its
+# __main__: the learner process dies at start-up.
+FROM_STDIN = """
+from rllm_async.backends.local import LocalBackend
+from rllm_async.config import config_from_dict
+
+LocalBackend.from_config(config_from_dict({"backend": {"name": "local", "learner": "process"}}))
+print("built")
+"""
+
+
+def test_a_learner_process_that_dies_at_start_up_says_why_and_how_to_avoid_it(
+    tmp_path: Path,
+) -> None:
+    # The timeout fails a hang. The run also ends only once every process holding its stderr is
+    # gone, the learner process included.
+    run = subprocess.run(
+        [sys.executable, "-"],
+        input=FROM_STDIN,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=10,
+    )
+    assert run.returncode == 1
+    assert "built" not in run.stdout
+    assert "FileNotFoundError" in run.stderr  # the learner process's own error
+    error = run.stderr.strip().splitlines()[-1]
+    assert error.startswith(
+        "RuntimeError: the learner process exited with code 1 during start-up. "
+        "A spawned learner process first imports the program's __main__ again"
+    )
+    assert 'under `if __name__ == "__main__":`' in error
+    assert error.endswith("or set backend.learner: thread.")
 
 
 def test_closing_the_backend_stops_the_learner_process() -> None:

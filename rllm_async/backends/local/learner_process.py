@@ -6,6 +6,9 @@ forward/backward took 18-27% less time on a process (docs/benchmarks.md). A proc
 from the starting weights; the backend calls it over a pipe, one call at a time from its training
 thread, and for each sampler snapshot the child copies its weights into a buffer in shared memory
 that the backend then copies out of (a state dict through the pipe took about 10 ms more a step).
+
+A child that dies, at start-up or later, fails the call waiting on it at once, with its exit code or
+signal and what to do about it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from rllm_async.config import LossConfig, OptimConfig
 from rllm_async.types import TrajectoryGroup
 
 _CLOSE_TIMEOUT_S = 30.0
+_START_UP = "start-up"  # the wait for the learner to be built, in errors
 
 
 @dataclass(frozen=True)
@@ -89,9 +93,9 @@ _CALLS: dict[str, Callable[..., Any]] = {
 class LearnerProcess:
     """A `Learner` on a child process, with the methods of it that the backend uses.
 
-    Calls block until the child answers; the backend makes them from its one training thread. An
-    exception in the child is raised here; a child that dies makes every later call fail with
-    its exit code.
+    Calls block until the child answers, however long that takes; the backend makes them from its
+    one training thread. An exception in the child is raised here; a child that dies fails the call
+    waiting on it and every later one with a `RuntimeError` naming its exit code or signal.
     """
 
     def __init__(self, spec: LearnerSpec, model: Transformer) -> None:
@@ -105,16 +109,18 @@ class LearnerProcess:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
-            target=_serve,
-            args=(child, start, self._shared),
-            name="rllm-local-learner",
-            daemon=True,
+            target=_serve, args=(child, self._shared), name="rllm-local-learner", daemon=True
         )
         self._process.start()
-        child.close()
+        child.close()  # the child's end is the child's alone: its death closes the pipe
         self._closed = False
         try:
-            self._receive("start-up")  # the child built the learner, or raise why it could not
+            # The weights go over the pipe, not with the process: `start()` writes its arguments
+            # to the new process while holding that pipe's read end itself, so a child that dies
+            # before reading more than a pipe's buffer (64 KiB) of them would block it for ever.
+            with contextlib.suppress(OSError):  # a dead child is reported by _receive
+                self._conn.send_bytes(start)
+            self._receive(_START_UP)  # the child built the learner, or raise why it could not
         except BaseException:
             self.close()
             raise
@@ -165,27 +171,60 @@ class LearnerProcess:
         return self._receive(f"{name}()")
 
     def _receive(self, what: str) -> Any:
+        """The child's answer to `what` (raised if an error), waiting as long as the child lives.
+
+        The child's end of the pipe is open in the child alone, so its death, whenever it comes,
+        ends the wait here with end-of-file.
+        """
         try:
             ok, value = pickle.loads(self._conn.recv_bytes())
-        except (EOFError, OSError) as e:
-            self._process.join(1.0)
-            raise RuntimeError(
-                f"the learner process exited during {what} (exit code "
-                f"{self._process.exitcode}; a negative code is the signal that ended it)"
-            ) from e
+        except (EOFError, OSError):
+            raise self._death(what) from None
         if not ok:
             raise value
         return value
 
+    def _death(self, what: str) -> RuntimeError:
+        """Why the child, which closed the pipe by exiting, failed `what`, and what to do; reaps it."""
+        self._process.join()
+        code = self._process.exitcode
+        assert code is not None
+        if code < 0:
+            cause = f"was killed by {_signal_name(-code)} (exit code {code}"
+            cause += "; perhaps it ran out of memory)" if -code == signal.SIGKILL else ")"
+        else:
+            cause = f"exited with code {code}"
+        if what == _START_UP and code >= 0:
+            fix = (
+                "A spawned learner process first imports the program's __main__ again (its error is "
+                "printed above), so the program must be a file that can be imported, with its work "
+                'under `if __name__ == "__main__":` (not a script read from standard input); or '
+                "set backend.learner: thread."
+            )
+        else:
+            fix = "Set backend.learner: thread to train in this process instead."
+        return RuntimeError(f"the learner process {cause} during {what}. {fix}")
 
-def _serve(conn: multiprocessing.connection.Connection, start: bytes, shared: torch.Tensor) -> None:
+
+def _signal_name(number: int) -> str:
+    """SIGKILL for 9."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a real-time signal has no name of its own
+        return f"signal {number}"
+
+
+def _serve(conn: multiprocessing.connection.Connection, shared: torch.Tensor) -> None:
     """The child: build the learner, then answer calls until told to close or the parent goes."""
     # Ctrl-C reaches the whole process group; the parent decides how to stop (it may still save
     # a checkpoint through this process), then closes it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec: LearnerSpec
     cfg: ModelConfig
-    spec, cfg, weights, layout = pickle.loads(start)
+    try:
+        spec, cfg, weights, layout = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return  # the parent is gone
     torch.set_num_threads(spec.threads)
     try:
         learner = spec.build(load_model(cfg, weights, torch.device(spec.device), torch.float32))
