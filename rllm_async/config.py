@@ -110,6 +110,8 @@ class AlgorithmConfig(_Section):
     filter_unsolved: bool = False
     # Skip a task whose groups keep coming back all correct, for 1, 2, 4, ... (at most 32) draws.
     skip_solved: bool = False
+    # Stop with NoSignalError after this many steps' worth of filtered groups in a row; null: never.
+    no_signal_steps: int | None = Field(default=25, ge=1)
     loss: LossConfig = Field(default_factory=LossConfig)
 
 

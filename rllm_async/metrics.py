@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -83,11 +84,15 @@ class MetricsAggregator:
         acc = self._accs.get(key)
         return acc.value() if acc is not None else None
 
+    def take(self) -> dict[str, float]:
+        """Reduce the metrics recorded so far, sorted by key, and start anew; sends nothing."""
+        reduced = {key: acc.value() for key, acc in sorted(self._accs.items())}
+        self._accs = {}
+        return reduced
+
     def flush(self, step: int) -> dict[str, float]:
         """Reduce this step's metrics, send the record to every sink, and start a new step."""
-        record: dict[str, float] = {"step": step}
-        record.update({key: acc.value() for key, acc in sorted(self._accs.items())})
-        self._accs = {}
+        record: dict[str, float] = {"step": step, **self.take()}
         for sink in self.sinks:
             sink.write(record)
         return record
@@ -119,12 +124,15 @@ class JsonlSink:
 
 class ProgressBarSink:
     """A tqdm bar over optimizer steps with reward, held-out accuracy (where the task judges
-    correctness; else held-out reward) and staleness in its postfix."""
+    correctness; else held-out reward) and staleness in its postfix. While it is open, the
+    package's log lines print above it, and a line's `status` shows in the postfix."""
 
     def __init__(self, total: int, initial: int = 0, desc: str = "train") -> None:
         from tqdm.auto import tqdm
 
         self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+        self._log = _BarLogHandler(self._bar)
+        logging.getLogger("rllm_async").addHandler(self._log)
 
     def write(self, record: dict[str, float]) -> None:
         postfix = {}
@@ -140,7 +148,23 @@ class ProgressBarSink:
         self._bar.update(int(record["step"]) - self._bar.n)  # a step-0 eval record moves nothing
 
     def close(self) -> None:
+        logging.getLogger("rllm_async").removeHandler(self._log)
         self._bar.close()
+
+
+class _BarLogHandler(logging.Handler):
+    """Writes log lines above a progress bar, so that the bar stays whole."""
+
+    def __init__(self, bar: Any) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        self._bar = bar
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._bar.write(self.format(record), file=self._bar.fp)
+        status = getattr(record, "status", None)
+        if status:
+            self._bar.set_postfix_str(f"{record.levelname.lower()}: {status}")
 
 
 class WandbSink:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import math
+import logging
 import os
 import shutil
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from rllm_async.algorithms.advantages import get_advantage_fn
 from rllm_async.backends import get_backend_factory
@@ -21,13 +21,32 @@ from rllm_async.config import Config, ConfigError
 from rllm_async.coordinator import State, SyncCoordinator
 from rllm_async.data import TaskSource, load_tasks
 from rllm_async.imports import import_object
-from rllm_async.metrics import JsonlSink, MetricsAggregator, MetricsSink, ProgressBarSink, WandbSink
+from rllm_async.metrics import (
+    JsonlSink,
+    MetricsAggregator,
+    MetricsSink,
+    ProgressBarSink,
+    Reduce,
+    WandbSink,
+)
 from rllm_async.types import Episode
 from rllm_async.workflows.base import RolloutContext, Workflow
 
+log = logging.getLogger(__name__)
+
 _BREAKER_MIN_ROLLOUTS = 32
+# Filtered groups in a row, in steps' worth, that make the run warn that it learns nothing.
+_NO_SIGNAL_WARNING_STEPS = 3
 # Group outcomes counted per record, as the change since the previous record.
-_GROUP_COUNTS = ("consumed", "filtered", "failed", "dropped_stale", "requeued")
+_GROUP_COUNTS = (
+    "dispatched",
+    "consumed",
+    "filtered",
+    "failed",
+    "dropped_stale",
+    "cancelled",
+    "requeued",
+)
 
 
 class FailureRateError(RuntimeError):
@@ -35,7 +54,7 @@ class FailureRateError(RuntimeError):
 
 
 class NoSignalError(RuntimeError):
-    """Every group of a whole pass over the data had equal rewards, so nothing can be learned."""
+    """`algorithm.no_signal_steps` steps' worth of groups in a row were filtered: nothing is learned."""
 
 
 class UnifiedTrainer:
@@ -66,6 +85,12 @@ class UnifiedTrainer:
         self.train_tasks = train_tasks if train_tasks is not None else self._load("train")
         self.eval_tasks = eval_tasks if eval_tasks is not None else self._load("eval")
         self.workflow = workflow if workflow is not None else _build_workflow(config)
+        for key, reduce in self.workflow.metric_reductions.items():
+            if reduce not in get_args(Reduce):
+                raise ConfigError(
+                    f"{type(self.workflow).__name__}.metric_reductions[{key!r}] is {reduce!r}: "
+                    f"use one of {', '.join(get_args(Reduce))}"
+                )
         if backend is None:
             factory = get_backend_factory(config.backend.name)
             self.virtual_clock = bool(getattr(factory, "virtual_clock", False))
@@ -191,10 +216,10 @@ class UnifiedTrainer:
 
     async def _teardown(self) -> None:
         coord = self.coordinator
-        for _ in self.buffer.drain():
-            coord.move(State.BUFFERED, State.CANCELLED)
-        for _ in range(coord.counts.in_flight):
-            coord.move(State.IN_FLIGHT, State.CANCELLED)
+        self._cancel_outstanding()
+        # A run that ended early (an error, an interrupt): what ended since its last record.
+        if self._record_group_counts(coord.snapshot()):
+            self._flush_extra_record(coord.version)
         self.metrics.close()
         try:
             try:
@@ -271,8 +296,6 @@ class UnifiedTrainer:
                 async with ctx.timeout():
                     result = await self.workflow.run(dispatch.task, ctx)
                 episode = ctx.build_episode(result)
-                if not math.isfinite(episode.reward):
-                    raise ValueError(f"the workflow returned a non-finite reward {episode.reward}")
             except TimeoutError:
                 m.record("rollout/timeouts", 1, "sum")
                 self._last_error = f"rollout timed out after rollout.timeout_s={ro.timeout_s}s"
@@ -289,6 +312,7 @@ class UnifiedTrainer:
             m.record("rollout/reward/mean", episode.reward)
             tokens = episode.num_completion_tokens
             m.record("episode/completion_tokens", tokens)
+            self._record_episode_metrics(m, "episode/", episode)
             dispatch.tokens += tokens
             if episode.is_correct is not None:
                 dispatch.judged += 1
@@ -299,6 +323,12 @@ class UnifiedTrainer:
         m.record("rollout/failures", 1, "sum")
         return None
 
+    def _record_episode_metrics(self, m: MetricsAggregator, prefix: str, episode: Episode) -> None:
+        """An episode's own metrics, reduced as its workflow declares (mean by default)."""
+        reductions = self.workflow.metric_reductions
+        for key, value in episode.metrics.items():
+            m.record(prefix + key, value, reductions.get(key, "mean"))
+
     def _record_solved(self, dispatch: Dispatch) -> None:
         """Count a completed group whose rollouts were all judged as solved by all or by none: the
         groups that teach nothing, by kind, whether or not they are filtered."""
@@ -308,25 +338,40 @@ class UnifiedTrainer:
             self.metrics.record("groups/solve_none", float(dispatch.correct == 0), "sum")
 
     def _check_signal(self, state: State) -> None:
-        """Stop a run whose groups are all filtered for a whole pass over the data."""
+        """Warn when the groups of a few steps in a row were all filtered, and stop the run when
+        `algorithm.no_signal_steps` steps' worth were: no step can be taken on them."""
         if state is not State.FILTERED:
             self._filtered_in_a_row = 0
             return
         self._filtered_in_a_row += 1
-        if self._filtered_in_a_row >= max(
-            len(self.train_tasks), 10 * self.config.train.groups_per_step
-        ):
-            algorithm = self.config.algorithm
-            why, flags = "had equal rewards within the group", ["filter_zero_variance"]
-            if algorithm.filter_unsolved:
-                why += " or no correct rollout"
-                flags.append("filter_unsolved")
+        n, per_step = self._filtered_in_a_row, self.config.train.groups_per_step
+        limit = self.config.algorithm.no_signal_steps
+        if limit is not None and n >= limit * per_step:
             raise NoSignalError(
-                f"the last {self._filtered_in_a_row} groups all {why} and were filtered, so there "
-                "is nothing to learn from: the policy always fails (or always succeeds). "
-                "Warm-start the policy, make the task easier or the reward denser, or set "
-                + " or ".join(f"algorithm.{flag}=false" for flag in flags)
+                f"{self._no_signal_reason()}; stopped at algorithm.no_signal_steps={limit} "
+                "steps' worth of them"
             )
+        if n == _NO_SIGNAL_WARNING_STEPS * per_step:
+            stop = (
+                f"the run stops at {limit * per_step} in a row (algorithm.no_signal_steps={limit})"
+                if limit is not None
+                else "algorithm.no_signal_steps is null, so the run goes on"
+            )
+            log.warning(f"{self._no_signal_reason()}; {stop}", extra={"status": "no signal"})
+
+    def _no_signal_reason(self) -> str:
+        """Why the last groups were all filtered, and the knobs that change it."""
+        algorithm = self.config.algorithm
+        why, flags = "had equal rewards within the group", ["filter_zero_variance"]
+        if algorithm.filter_unsolved:
+            why += " or no correct rollout"
+            flags.append("filter_unsolved")
+        return (
+            f"the last {self._filtered_in_a_row} groups all {why} and were filtered, so there is "
+            "nothing to learn from: the policy always fails (or always succeeds). Warm-start the "
+            "policy, make the task easier or the reward denser, or set "
+            + " or ".join(f"algorithm.{flag}=false" for flag in flags)
+        )
 
     def _count_tokens(self, tokens: int, *, wasted: bool) -> None:
         self._step_tokens += tokens
@@ -355,6 +400,7 @@ class UnifiedTrainer:
     # -- training ------------------------------------------------------------------------------
 
     async def _train(self, generation: asyncio.Task[None]) -> None:
+        self._generation = generation
         try:
             # Evaluations run beside training (see `_after_step`); this scope owns them.
             async with asyncio.TaskGroup() as self._eval_scope:
@@ -441,6 +487,8 @@ class UnifiedTrainer:
         loop = asyncio.get_running_loop()
         step = coord.version
         last = step >= cfg.train.total_steps or self.buffer.finished
+        if last:
+            await self._stop_generation()
         now = loop.time()
         step_s = max(now - self._step_start, 1e-12)
         counts = coord.snapshot()
@@ -469,6 +517,25 @@ class UnifiedTrainer:
             await self.save_checkpoint()
         self._step_start = loop.time()
         self._step_episodes = self._step_tokens = 0
+
+    async def _stop_generation(self) -> None:
+        """Stop dispatching and cancel the rollouts still running, so that the last step's record
+        counts every group generated."""
+        self._generation.cancel()
+        await asyncio.wait([self._generation])
+        self._cancel_outstanding()
+
+    def _cancel_outstanding(self) -> None:
+        """Cancel the groups still in flight or buffered; the tokens they generated are wasted."""
+        coord = self.coordinator
+        if not coord.outstanding:
+            return
+        for _ in self.buffer.drain():
+            coord.move(State.BUFFERED, State.CANCELLED)
+        for _ in range(coord.counts.in_flight):
+            coord.move(State.IN_FLIGHT, State.CANCELLED)
+        wasted = sum(d.tokens for d in self._outstanding.values())
+        self.metrics.record("tokens/wasted", wasted, "sum")
 
     def _record_group_counts(self, counts: dict[str, int]) -> bool:
         """Record how many groups ended each way, and how many draws were skipped as solved,
@@ -566,7 +633,11 @@ class UnifiedTrainer:
         finally:
             self.policy.release(version)
         done = [e for e in episodes if e is not None]
+        reduced = MetricsAggregator()
+        for episode in done:
+            self._record_episode_metrics(reduced, "eval/episode/", episode)
         out = {
+            **reduced.take(),
             "eval/policy_version": float(version),
             "eval/n": float(len(done)),
             "eval/failed": float(len(episodes) - len(done)),

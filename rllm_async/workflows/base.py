@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from rllm_async.backends.base import Completion, PolicyClient, SamplingParams
+from rllm_async.metrics import Reduce
 from rllm_async.types import Episode, Step, Termination, Trajectory
 from rllm_async.workflows.chat import ChatHistory, cut_at_stop, parse_tool_calls, tool_names
 
@@ -50,7 +53,13 @@ class Workflow(ABC):
 
     `run` returns an Episode, a float (one trajectory with that reward), or None (the trajectories
     recorded on `ctx` with the rewards given through `ctx.set_reward`).
+
+    Numbers a returned Episode reports in `metrics` reach each step's record as `episode/<key>`,
+    averaged over the step's episodes that report the key; `metric_reductions` declares another
+    reduction for a key (`sum`, `min`, `max` or `last`).
     """
+
+    metric_reductions: ClassVar[dict[str, Reduce]] = {}
 
     @abstractmethod
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode | float | None: ...
@@ -275,7 +284,7 @@ class RolloutContext:
         if isinstance(result, Episode):
             if not result.trajectories:
                 result.trajectories = self._finish_trajectories()
-            return result
+            return _checked(result)
         trajs = list(self._trajectories.values())
         if result is not None:
             if not isinstance(result, (int, float)):
@@ -291,8 +300,13 @@ class RolloutContext:
                 t.reward = float(result)
         trajs = self._finish_trajectories()
         reward = sum(t.reward for t in trajs) if trajs else float(result or 0.0)
-        return Episode(
-            task_id=self.task_id, trajectories=trajs, reward=reward, termination=Termination.DONE
+        return _checked(
+            Episode(
+                task_id=self.task_id,
+                trajectories=trajs,
+                reward=reward,
+                termination=Termination.DONE,
+            )
         )
 
     def _finish_trajectories(self) -> list[Trajectory]:
@@ -300,3 +314,15 @@ class RolloutContext:
         for t in trajs:
             t.reward += sum(s.reward for s in t.steps if s.reward is not None)
         return trajs
+
+
+def _checked(episode: Episode) -> Episode:
+    """`episode`, or ValueError when its reward or a metric is not a finite number."""
+    if not math.isfinite(episode.reward):
+        raise ValueError(f"the workflow returned a non-finite reward {episode.reward}")
+    for key, value in episode.metrics.items():
+        if not (isinstance(key, str) and isinstance(value, numbers.Real) and math.isfinite(value)):
+            raise ValueError(
+                f"Episode.metrics[{key!r}] is {value!r}: report finite numbers under string keys"
+            )
+    return episode
