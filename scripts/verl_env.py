@@ -2,6 +2,7 @@
 main interpreter because verl pins its own transformers, tensordict and Ray.
 
     python scripts/verl_env.py setup                 # idempotent; prints what it did and how long
+    python scripts/verl_env.py setup --fresh         # delete .venv-verl/, then build it anew (CI)
     .venv-verl/bin/python -m pytest tests/verl       # the verl backend's tests
 
 `--torch` picks the torch requirement (default `torch==2.13.0`, the CPU build where one is on the
@@ -11,6 +12,7 @@ package index's find-links; elsewhere pass e.g. a CUDA build for GPU machines).
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
@@ -38,8 +40,12 @@ def ready() -> bool:
     return probe.returncode == 0
 
 
-def setup(torch_spec: str) -> None:
+def setup(torch_spec: str, fresh: bool = False) -> None:
+    """Build the venv, or reuse it when it imports verl 0.9.1 and this repo; `fresh` deletes it
+    first, so that every package is resolved anew (as on a new machine)."""
     start = time.monotonic()
+    if fresh and VENV.exists():
+        shutil.rmtree(VENV)
     if ready():
         print(f"{VENV} is ready (verl 0.9.1); nothing to do")
         return
@@ -57,8 +63,9 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     cmd = sub.add_parser("setup", help="create or reuse .venv-verl/")
     cmd.add_argument("--torch", default="torch==2.13.0", help="torch requirement to install")
+    cmd.add_argument("--fresh", action="store_true", help="delete .venv-verl/, then build it anew")
     args = parser.parse_args()
-    setup(args.torch)
+    setup(args.torch, fresh=args.fresh)
 
 
 if __name__ == "__main__":

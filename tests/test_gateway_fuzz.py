@@ -1,24 +1,28 @@
-"""Schema-driven fuzz of the gateway's HTTP API: bodies drawn from its own OpenAPI document (valid
-ones and near misses), random JSON and random bytes; no request may get a 5xx."""
+"""Schema-driven fuzz of the gateway's HTTP API with schemathesis: bodies drawn from its own OpenAPI
+document (valid ones, schemathesis' negative cases and near misses of our own), random JSON and
+random bytes; no request may get a 5xx."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+import requests
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schemathesis import Case, GenerationMode
 
 from rllm_async.backends.base import SamplingParams
 from rllm_async.gateway import Gateway
 from rllm_async.gateway.openapi import openapi_document
 from tests.scripted import ScriptedPolicy
-
-from_schema = pytest.importorskip("hypothesis_jsonschema").from_schema
 
 KEY = "fuzz"
 FUZZ = settings(
@@ -71,24 +75,43 @@ class ServerThread:
         self.thread.join(30)
 
 
+class Client:
+    """The running gateway, an open session on it, and an HTTP session for schemathesis' cases."""
+
+    def __init__(self, http: httpx.Client, session: str) -> None:
+        self.http = http
+        self.session = session
+        self.requests = requests.Session()
+        self.requests.headers["Authorization"] = f"Bearer {KEY}"
+
+    def send(self, case: Case) -> None:
+        """Send a generated case as it is (body, media type and all), to the open session if the
+        operation is a session's."""
+        if "sid" in case.operation.path:
+            case.path_parameters = {**(case.path_parameters or {}), "sid": self.session}
+        response = case.call(base_url=str(self.http.base_url), session=self.requests, timeout=30)
+        check(response.status_code, response.content)
+
+
 @pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
+def client() -> Iterator[Client]:
     with ServerThread() as gateway:
         headers = {"Authorization": f"Bearer {KEY}"}
-        with httpx.Client(base_url=gateway.url, headers=headers, timeout=30) as client:
-            session = client.post("/sessions", json={}).json()["id"]
-            client.headers["x-test-session"] = session
-            yield client
+        with httpx.Client(base_url=gateway.url, headers=headers, timeout=30) as http:
+            session = http.post("/sessions", json={}).json()["id"]
+            yield Client(http, session)
 
 
-def schema(name: str) -> dict[str, Any]:
-    """One request schema, asking for the served model (else nearly every body is a 404), with the
-    document's components so that its `$ref`s resolve."""
-    doc = openapi_document()
-    body = doc["components"]["schemas"][name]
-    properties = {**body["properties"], "model": {"const": "policy"}}
-    return {**body, "properties": properties, "components": doc["components"]}
+def load_schema() -> schemathesis.BaseSchema:
+    """The gateway's OpenAPI document, asking for the served model (else nearly every body is a
+    404)."""
+    doc = copy.deepcopy(openapi_document())
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        doc["components"]["schemas"][name]["properties"]["model"] = {"const": "policy"}
+    return schemathesis.openapi.from_dict(doc)
 
+
+SCHEMA = load_schema()
 
 JUNK = st.recursive(
     st.none()
@@ -103,40 +126,43 @@ JUNK = st.recursive(
 )
 
 
-def bodies(name: str) -> st.SearchStrategy[dict[str, Any]]:
-    """Valid bodies of a request schema, and near misses: one field set to any JSON value."""
-    valid = from_schema(schema(name))
-    fields = sorted(schema(name)["properties"])
-    near = st.tuples(valid, st.sampled_from(fields), JUNK).map(lambda t: {**t[0], t[1]: t[2]})
-    return valid | near
+def _one_field(case: Case, field: str, value: Any) -> Case:
+    case.body = {**case.body, field: value}
+    return case
 
 
-def check(response: httpx.Response) -> None:
-    assert response.status_code < 500, response.text
-    if response.status_code >= 400:
-        error = response.json()["error"]
+def cases(path: str, request: str) -> st.SearchStrategy[Case]:
+    """Cases of a POST operation: valid bodies, schemathesis' negative ones (each breaks the schema
+    somewhere, bytes that are no JSON among them), and near misses: a valid body with one field
+    set to any JSON value."""
+    operation = SCHEMA[path]["POST"]
+    valid = operation.as_strategy(generation_mode=GenerationMode.POSITIVE)
+    negative = operation.as_strategy(generation_mode=GenerationMode.NEGATIVE)
+    fields = sorted(openapi_document()["components"]["schemas"][request]["properties"])
+    near = st.builds(_one_field, valid, st.sampled_from(fields), JUNK)
+    return valid | negative | near
+
+
+def check(status: int, content: bytes) -> None:
+    assert status < 500, content[:2000]
+    if status >= 400:
+        error = json.loads(content)["error"]
         assert isinstance(error["message"], str) and error["type"]
-
-
-PATHS = ["/v1/chat/completions", "/sessions/{session}/v1/chat/completions"]
 
 
 @FUZZ
 @given(
-    body=bodies("ChatCompletionRequest"),
-    where=st.sampled_from(PATHS),
+    case=cases("/v1/chat/completions", "ChatCompletionRequest")
+    | cases("/sessions/{sid}/v1/chat/completions", "ChatCompletionRequest")
 )
-def test_chat_completions_never_fail_on_the_server(
-    http: httpx.Client, body: dict[str, Any], where: str
-) -> None:
-    path = where.format(session=http.headers["x-test-session"])
-    check(http.post(path, json=body))
+def test_chat_completions_never_fail_on_the_server(client: Client, case: Case) -> None:
+    client.send(case)
 
 
 @FUZZ
-@given(body=bodies("CompletionRequest"))
-def test_completions_never_fail_on_the_server(http: httpx.Client, body: dict[str, Any]) -> None:
-    check(http.post("/v1/completions", json=body))
+@given(case=cases("/v1/completions", "CompletionRequest"))
+def test_completions_never_fail_on_the_server(client: Client, case: Case) -> None:
+    client.send(case)
 
 
 @FUZZ
@@ -149,12 +175,16 @@ def test_completions_never_fail_on_the_server(http: httpx.Client, body: dict[str
             "/sessions",
             "/sessions/x",
             "/sessions/x/v1/models",
+            "/v1/chat/completions",
             "/v1/completions",
         ]
     ),
-    raw=st.binary(max_size=256) | st.text(max_size=64).map(str.encode),
+    raw=st.binary(max_size=256)
+    | st.text(max_size=64).map(str.encode)
+    | JUNK.map(lambda v: json.dumps(v).encode()),
 )
 def test_any_route_with_any_bytes_gets_a_client_error_at_worst(
-    http: httpx.Client, method: str, path: str, raw: bytes
+    client: Client, method: str, path: str, raw: bytes
 ) -> None:
-    check(http.request(method, path, content=raw))
+    response = client.http.request(method, path, content=raw)
+    check(response.status_code, response.content)

@@ -1,6 +1,7 @@
 """A local Tinker API server for tests: SkyRL 0.3.0's open-source server, JAX on CPU, a tiny Qwen3.
 
     python scripts/tinker_server/manage.py setup         # .venv-skyrl/ (reused when present)
+    python scripts/tinker_server/manage.py setup --fresh # delete .venv-skyrl/ and build it anew (CI)
     python scripts/tinker_server/manage.py build-model   # .tinker-server/model/ (random weights)
     python scripts/tinker_server/manage.py serve --port 8000
 
@@ -18,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +33,8 @@ VENV = REPO / ".venv-skyrl"
 STATE = REPO / ".tinker-server"
 MODEL = STATE / "model"
 PACKAGES = ["skyrl[tinker,jax]==0.3.0", "tinker==0.24.1"]
-TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "pyyaml>=6"]
+# The test tools of the dev extra in pyproject.toml, with the same bounds.
+TEST_TOOLS = ["pytest>=8.4", "pytest-timeout>=2.3", "hypothesis>=6.130,<7", "pyyaml>=6"]
 JAX_CACHE = STATE / "jax-cache"
 ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -55,7 +58,11 @@ def venv_python(venv: Path = VENV) -> Path:
 
 
 def _torch_pin() -> list[str]:
-    """Pin this interpreter's CPU torch build, so the venv does not pull CUDA wheels from PyPI."""
+    """Pin this interpreter's CPU torch build, so the venv does not pull CUDA wheels from PyPI.
+
+    Run this script with the interpreter of the environment that has the torch to copy (CI runs it
+    from its own venv, where `pip install -e '.[dev]'` put the CPU build): an interpreter without
+    torch, or with a CUDA build, pins nothing."""
     try:
         import torch
     except ImportError:
@@ -63,9 +70,14 @@ def _torch_pin() -> list[str]:
     return [f"torch=={torch.__version__}"] if "+cpu" in torch.__version__ else []
 
 
-def setup(venv: Path = VENV, force: bool = False) -> Path:
-    """Create the server venv and install SkyRL, the SDK and this repo; reuse it when complete."""
+def setup(venv: Path = VENV, force: bool = False, fresh: bool = False) -> Path:
+    """Create the server venv and install SkyRL, the SDK and this repo; reuse it when complete.
+
+    `force` reinstalls into the venv as it is; `fresh` deletes it first, so that every package is
+    resolved anew (as on a new machine)."""
     marker = venv / ".rllm-async-setup"
+    if fresh and venv.exists():
+        shutil.rmtree(venv)
     # The repo without its dev extra, which wants the current SDK: the tests' tools instead.
     packages = [*PACKAGES, *_torch_pin(), *TEST_TOOLS]
     editable = str(REPO)
@@ -164,14 +176,16 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("setup").add_argument("--force", action="store_true", help="reinstall")
+    cmd = sub.add_parser("setup")
+    cmd.add_argument("--force", action="store_true", help="reinstall into the venv as it is")
+    cmd.add_argument("--fresh", action="store_true", help="delete the venv, then build it anew")
     sub.add_parser("build-model").add_argument("--out", type=Path, default=MODEL)
     serve = sub.add_parser("serve")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--workdir", type=Path, default=STATE / "run")
     args = parser.parse_args()
     if args.cmd == "setup":
-        print(setup(force=args.force))
+        print(setup(force=args.force, fresh=args.fresh))
     elif args.cmd == "build-model":
         print(build_model(args.out))
     else:
