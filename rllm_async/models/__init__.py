@@ -1,0 +1,1 @@
+"""Small models built locally, for tests and benchmarks that may not download weights."""
