@@ -1,0 +1,341 @@
+"""`VLLMPolicy`: the project's `PolicyClient` over one or more vLLM servers, token-in/token-out.
+
+Requests go to `/inference/v1/generate` (servers started with `--enable-scale-out`) as token ids;
+answers carry the sampled ids, the sampler's logprob of each (after temperature, as the local
+sampler reports them) and spans saying which weight version sampled which tokens. Each request
+goes to the server with the fewest requests in flight. Weight syncs reload a safetensors directory
+into every server (`update_weights`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import httpx
+
+from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
+from rllm_async.engines.vllm.errors import VLLMServerError
+
+PauseMode = Literal["keep", "wait", "abort"]
+ABORTED = "abort"  # vLLM's finish_reason for a request a pause with mode=abort cut short
+
+
+@dataclass(slots=True)
+class _Server:
+    """One server and the requests this client has in flight on it."""
+
+    url: str
+    in_flight: int = 0
+    sent: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WeightSync:
+    """What `update_weights` did: the version now served, the pause mode used, and how long the
+    servers were paused (pause to resume, the slowest server's)."""
+
+    version: int
+    mode: PauseMode
+    seconds: float
+
+
+class VLLMPolicy:
+    """Samples from vLLM servers that all hold the same weights, and syncs new weights into them.
+
+    `acquire()` gives the version the servers hold; `release()` frees nothing (a server keeps one
+    version). `generate(..., version=v)` refuses a `v` the servers no longer hold, and a
+    completion that a sync moved to another version while it ran (`weight_update: pin` needs
+    syncs with mode `wait` or `abort`). Connection failures, refusals (HTTP 4xx/5xx) and
+    timeouts raise `VLLMServerError` naming the server. The servers are labelled with `version`
+    on first use (`open()`), so every token's version is one of ours.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        tokenizer: Tokenizer,
+        *,
+        max_context_tokens: int,
+        version: int = 0,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 600.0,
+        max_connections: int = 1024,
+    ) -> None:
+        if not urls:
+            raise ValueError("VLLMPolicy needs at least one server URL")
+        self._servers = [_Server(url.rstrip("/")) for url in urls]
+        self._tokenizer = tokenizer
+        self.max_context_tokens = max_context_tokens
+        self._version = version
+        # A long generation may take minutes to answer; connecting never should.
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s, pool=None),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            trust_env=False,
+        )
+        self._opened = False
+        self._open_lock = asyncio.Lock()
+        self._serving = asyncio.Event()  # cleared while a weight sync runs
+        self._serving.set()
+        self._seeded_in_flight = 0
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def version(self) -> int:
+        """The weight version every server holds."""
+        return self._version
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self._servers]
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight per server URL."""
+        return {s.url: s.in_flight for s in self._servers}
+
+    def requests_sent(self) -> dict[str, int]:
+        """Requests sent so far per server URL (each resumption of a cut request counts)."""
+        return {s.url: s.sent for s in self._servers}
+
+    def acquire(self) -> int:
+        return self._version
+
+    def release(self, version: int) -> None:
+        """Nothing to free: the servers keep no older versions."""
+
+    async def open(self) -> None:
+        """Label every server's weights with this client's version; idempotent."""
+        async with self._open_lock:
+            if self._opened:
+                return
+            await asyncio.gather(*(self._label(s, self._version) for s in self._servers))
+            self._opened = True
+
+    async def close(self) -> None:
+        """Close the HTTP connections (the servers keep running)."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> VLLMPolicy:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, version: int | None = None
+    ) -> Completion:
+        """Sample one completion on the least-loaded server.
+
+        Stop strings end generation as in the local sampler: the ids keep every sampled token,
+        the one that completes the stop string included (callers cut the decoded text). A request
+        that a sync with mode `abort` cuts short is sent again, after the sync, with its prompt
+        plus the tokens it already has. With `top_p < 1`, logprobs are renormalized over the
+        top-p set (vLLM's `processed_logprobs`); the local sampler's are taken before top-p.
+        """
+        if not prompt_ids:
+            raise ValueError("generate() needs at least one prompt token")
+        limit = min(params.max_tokens, self.max_context_tokens - len(prompt_ids))
+        if limit < 1:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room in the servers' context of "
+                f"{self.max_context_tokens} tokens: shorten the prompt or raise max_model_len"
+            )
+        await self.open()
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        while True:
+            await self._serving.wait()
+            if version is not None and version != self._version:
+                raise RuntimeError(_pin_error(version, self._version))
+            choice = await self._send(
+                [*prompt_ids, *ids],
+                _sampling(params, limit - len(ids)),
+                seeded=params.seed is not None,
+            )
+            ids += choice.ids
+            logprobs += choice.logprobs
+            versions += choice.versions
+            if choice.finish_reason != ABORTED or len(ids) >= limit:
+                break
+        if version is not None and any(v != version for v in versions):
+            raise RuntimeError(_pin_error(version, max(versions)))
+        finish = "stop" if choice.finish_reason == "stop" else "length"
+        return Completion(ids, logprobs, versions, finish)
+
+    async def _send(self, token_ids: list[int], sampling: dict[str, Any], *, seeded: bool) -> Any:
+        server = min(self._servers, key=lambda s: (s.in_flight, s.sent))
+        server.in_flight += 1
+        server.sent += 1
+        self._seeded_in_flight += seeded
+        try:
+            body = await self._post(
+                server,
+                "/inference/v1/generate",
+                json={"token_ids": token_ids, "sampling_params": sampling},
+            )
+        finally:
+            server.in_flight -= 1
+            self._seeded_in_flight -= seeded
+        return _parse_choice(server.url, body)
+
+    async def update_weights(
+        self, weights_dir: Path, version: int, *, mode: PauseMode = "keep"
+    ) -> WeightSync:
+        """Reload every server's weights from `weights_dir` (safetensors with Hugging Face names,
+        see `write_weights`) and label them `version`, all servers at once.
+
+        Each server is paused (`mode`: `keep` freezes requests in flight and continues them on
+        the new weights, recomputing their context; `wait` lets them finish first; `abort` cuts
+        them, and `generate` sends them again), reloaded, its prefix cache dropped, relabelled
+        and resumed, in a `finally`, even when the reload fails. New requests wait for the sync.
+        vLLM's CPU engine dies when a request with a seed is frozen by `keep`, so a `keep` sync
+        with seeded requests in flight runs as `wait` instead (the returned `mode` says which).
+        Raises `VLLMServerError` naming each server that failed; the servers may then hold
+        different weights, and a retry of the same sync is safe.
+        """
+        if mode == "keep" and self._seeded_in_flight:
+            mode = "wait"
+        weights_dir = Path(weights_dir).resolve()
+        if not any(weights_dir.glob("*.safetensors")):
+            raise ValueError(f"{weights_dir} holds no *.safetensors weights to reload")
+        await self.open()
+        self._serving.clear()
+        try:
+            results = await asyncio.gather(
+                *(self._sync_one(s, weights_dir, version, mode) for s in self._servers),
+                return_exceptions=True,
+            )
+        finally:
+            self._serving.set()
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise VLLMServerError(
+                f"weight sync to version {version} failed on {len(failures)} of "
+                f"{len(self._servers)} servers: " + "; ".join(str(f) for f in failures)
+            ) from failures[0]
+        self._version = version
+        return WeightSync(version, mode, max(r for r in results if isinstance(r, float)))
+
+    async def _sync_one(self, server: _Server, weights_dir: Path, version: int, mode: str) -> float:
+        """Pause, reload, relabel and resume one server; the seconds it was paused."""
+        start = time.perf_counter()
+        await self._post(server, "/pause", params={"mode": mode})
+        try:
+            await self._post(
+                server,
+                "/collective_rpc",
+                json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}},
+            )
+            # Frozen requests are preempted too: they recompute their context with the new
+            # weights, and no cached prefix of the old weights survives.
+            await self._post(
+                server, "/reset_prefix_cache", params={"reset_running_requests": "true"}
+            )
+            await self._label(server, version)
+        finally:
+            await self._post(server, "/resume")
+        return time.perf_counter() - start
+
+    async def _label(self, server: _Server, version: int) -> None:
+        await self._post(server, "/update_weight_version", json={"new_version": str(version)})
+
+    async def _post(self, server: _Server, path: str, **kwargs: Any) -> Any:
+        """POST to one server; its JSON answer, or `VLLMServerError` naming server and cause."""
+        url = f"{server.url}{path}"
+        try:
+            response = await self._http.post(url, **kwargs)
+        except httpx.ConnectError as e:
+            raise VLLMServerError(
+                f"cannot connect to the vLLM server at {server.url} ({e}): is it running?"
+            ) from e
+        except httpx.TimeoutException as e:
+            raise VLLMServerError(f"{url} timed out ({type(e).__name__})") from e
+        except httpx.HTTPError as e:
+            raise VLLMServerError(f"{url} failed: {type(e).__name__}: {e}") from e
+        if response.status_code >= 400:
+            raise VLLMServerError(
+                f"{url} answered HTTP {response.status_code}: {response.text[:2000]}"
+            )
+        return response.json() if response.content else None
+
+
+@dataclass(slots=True)
+class _Choice:
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+
+def _sampling(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
+    """vLLM sampling params; what the project's sampler does not do is switched off explicitly,
+    so that a model's generation_config.json (top_k, penalties) cannot switch it on."""
+    out: dict[str, Any] = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": 0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "max_tokens": max_tokens,
+        "logprobs": 0,
+    }
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.seed is not None:
+        out["seed"] = params.seed
+    return out
+
+
+def _parse_choice(url: str, body: Any) -> _Choice:
+    """The one choice of a generate answer, with a version per token from its spans."""
+    try:
+        choice = body["choices"][0]
+        ids = [int(t) for t in choice["token_ids"]]
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [float(c["logprob"]) for c in content]
+        versions = [-1] * len(ids)
+        for span in choice.get("weight_versions") or ():
+            label = span["version"]
+            if not str(label).lstrip("-").isdigit():
+                raise VLLMServerError(
+                    f"{url} labels its weights {label!r}, not a version number: it was not "
+                    "labelled by this client (VLLMPolicy.open)"
+                )
+            versions[span["start"] : span["end"]] = [int(label)] * (span["end"] - span["start"])
+        finish = str(choice.get("finish_reason"))
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise VLLMServerError(f"{url} sent an answer this client cannot read ({e!r})") from e
+    if len(logprobs) != len(ids) or -1 in versions:
+        raise VLLMServerError(
+            f"{url} answered {len(ids)} tokens with {len(logprobs)} logprobs and versions for "
+            f"{len(ids) - versions.count(-1)}: each token needs both"
+        )
+    return _Choice(ids, logprobs, versions, finish)
+
+
+def _pin_error(wanted: int, served: int) -> str:
+    return (
+        f"version {wanted} was asked for, but the vLLM servers hold version {served}: a server "
+        "keeps one version, so rollouts cannot stay pinned across a weight sync "
+        "(set coordinator.weight_update: latest)"
+    )
