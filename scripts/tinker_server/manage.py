@@ -34,7 +34,7 @@ STATE = REPO / ".tinker-server"
 MODEL = STATE / "model"
 PACKAGES = ["skyrl[tinker,jax]==0.3.0", "tinker==0.24.1"]
 # The test tools of the dev extra in pyproject.toml, with the same bounds.
-TEST_TOOLS = ["pytest>=8.4", "pytest-timeout>=2.3", "hypothesis>=6.130,<7", "pyyaml>=6"]
+TEST_TOOLS = ["pytest>=8.4", "pytest-timeout>=2.3.1", "hypothesis>=6.130.12,<7", "pyyaml>=6.0.1"]
 JAX_CACHE = STATE / "jax-cache"
 ENV = {
     "HF_HUB_OFFLINE": "1",
