@@ -13,12 +13,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
+from rllm_async.backends.local.hf import checkpoint_dir
 from rllm_async.backends.local.learner import Learner
 from rllm_async.backends.local.learner_process import LearnerProcess, LearnerSpec
 from rllm_async.backends.local.model import (
     Transformer,
     build_model,
     frozen_copy,
+    hf_weights,
     load_model,
     preset_config,
 )
@@ -27,6 +29,8 @@ from rllm_async.backends.local.snapshots import WeightStore
 from rllm_async.backends.local.tokenizer import CharTokenizer
 from rllm_async.backends.local.warm_start import WarmStartOptions, warm_start
 from rllm_async.config import Config, ConfigError, LossConfig, validate_options
+from rllm_async.engines.vllm import VLLMPolicy
+from rllm_async.engines.vllm.engine import VLLMEngine, VLLMOptions
 from rllm_async.types import TrajectoryGroup
 
 T = TypeVar("T")
@@ -54,6 +58,10 @@ class LocalOptions(BaseModel):
     sampler_threads: int = Field(default=1, ge=1)  # torch threads of the decode thread
     seed: int | None = None  # model init and unseeded sampling; None: the config's seed
     warm_start: WarmStartOptions | None = None  # supervised fine-tuning before RL, cached
+    # Who samples: the sampler thread of this process, or vLLM servers (`vllm:`), which reload
+    # the learner's weights after every step; vllm needs a Hugging Face `model_path`.
+    rollout: Literal["local", "vllm"] = "local"
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
 
 
 class LocalPolicy:
@@ -100,6 +108,8 @@ class LocalBackend:
                 f"rollout.max_tokens ({config.rollout.max_tokens}) leaves no room for a prompt in "
                 f"backend.max_seq_len ({opts.max_seq_len}): raise max_seq_len or lower max_tokens"
             )
+        if opts.rollout == "vllm":
+            _check_vllm(config, opts)
         seed = config.seed if opts.seed is None else opts.seed
         model, tokenizer, stop_ids = _build(opts, self.device, seed)
         if opts.warm_start is not None:
@@ -118,28 +128,50 @@ class LocalBackend:
         # The learner's model, or in `process` mode this process's copy of its weights, which
         # each snapshot refreshes first.
         self._model = model
-        self.store = WeightStore(0, frozen_copy(model, self.device, self.dtype))
-        self.sampler = Sampler(
-            self.store,
-            tokenizer,
-            stop_ids,
-            max_batch=opts.max_batch,
-            max_seq_len=opts.max_seq_len,
-            device=self.device,
-            dtype=self.dtype,
-            threads=opts.sampler_threads,
-            seed=seed,
-        )
-        self._policy = LocalPolicy(self.sampler, self.store)
+        self.version = 0
+        self.vllm: VLLMEngine | None = None
+        self._policy: LocalPolicy | VLLMPolicy
+        if opts.rollout == "vllm":
+            assert opts.model_path is not None  # _check_vllm
+            self.vllm = VLLMEngine(
+                opts.vllm,
+                checkpoint=checkpoint_dir(Path(opts.model_path).expanduser()),
+                state=_hf_state(model),
+                tokenizer=tokenizer,
+                max_seq_len=opts.max_seq_len,
+                run_dir=config.run_path,
+                mode="wait"
+                if config.coordinator.weight_update == "pin"
+                else opts.vllm.partial_rollouts,
+            )
+            self._policy = self.vllm.policy
+        else:
+            self.store = WeightStore(0, frozen_copy(model, self.device, self.dtype))
+            self.sampler = Sampler(
+                self.store,
+                tokenizer,
+                stop_ids,
+                max_batch=opts.max_batch,
+                max_seq_len=opts.max_seq_len,
+                device=self.device,
+                dtype=self.dtype,
+                threads=opts.sampler_threads,
+                seed=seed,
+            )
+            self._policy = LocalPolicy(self.sampler, self.store)
         self._train = concurrent.futures.ThreadPoolExecutor(
             1, "rllm-local-train", initializer=torch.set_num_threads, initargs=(opts.threads,)
         )
         # Last, so that no later failure can leave the learner's process behind.
         self.learner: Learner | LearnerProcess
-        if opts.learner == "process":
-            self.learner = LearnerProcess(spec, model)
-        else:
-            self.learner = spec.build(model)
+        try:
+            if opts.learner == "process":
+                self.learner = LearnerProcess(spec, model)
+            else:
+                self.learner = spec.build(model)
+        except BaseException:
+            self._close_rollout()
+            raise
         self._closed = False
 
     @classmethod
@@ -153,7 +185,7 @@ class LocalBackend:
         except (ValueError, ImportError) as e:
             raise ConfigError(f"backend local: {e}") from e
 
-    def policy(self) -> LocalPolicy:
+    def policy(self) -> LocalPolicy | VLLMPolicy:
         return self._policy
 
     async def forward_backward(
@@ -165,9 +197,13 @@ class LocalBackend:
         return await self._on_train_thread(self.learner.optim_step)
 
     async def on_policy_updated(self, version: int) -> None:
-        """Publish the learner's weights as `version`; pinned older versions stay until released."""
-        snapshot = await self._on_train_thread(self._snapshot)
-        self.store.publish(version, snapshot)
+        """Publish the learner's weights as `version`: to the sampler, where pinned older versions
+        stay until released, or into the vLLM servers."""
+        if self.vllm is not None:
+            await self.vllm.load(await self._on_train_thread(self._write_for_vllm), version)
+        else:
+            self.store.publish(version, await self._on_train_thread(self._snapshot))
+        self.version = version
 
     async def save(self, path: Path) -> None:
         """Write weights, optimizer state, schedule position and policy version to `path`/."""
@@ -183,10 +219,19 @@ class LocalBackend:
         if self._closed:
             return
         self._closed = True
-        self.sampler.close()
+        if self.vllm is not None:
+            await self.vllm.policy.close()
+        self._close_rollout()
         self._train.shutdown(wait=True)
         if isinstance(self.learner, LearnerProcess):
             self.learner.close()
+
+    def _close_rollout(self) -> None:
+        """Stop the sampler thread, or the vLLM servers this backend started."""
+        if self.vllm is not None:
+            self.vllm.stop()
+        else:
+            self.sampler.close()
 
     async def _on_train_thread(self, fn: Callable[..., T], *args: Any) -> T:
         if self._closed:
@@ -198,9 +243,15 @@ class LocalBackend:
             self.learner.copy_weights_to(self._model)
         return frozen_copy(self._model, self.device, self.dtype)
 
+    def _write_for_vllm(self) -> Path:
+        assert self.vllm is not None
+        if isinstance(self.learner, LearnerProcess):
+            self.learner.copy_weights_to(self._model)
+        return self.vllm.write(_hf_state(self._model))
+
     def _save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        state = {**self.learner.state_dict(), "version": self.store.latest}
+        state = {**self.learner.state_dict(), "version": self.version}
         torch.save(state, path / CHECKPOINT_FILE)
 
     def _load(self, path: Path) -> int:
@@ -210,6 +261,33 @@ class LocalBackend:
         state = torch.load(file, map_location=self.device, weights_only=True)
         self.learner.load_state_dict(state)
         return int(state["version"])
+
+
+def _check_vllm(config: Config, opts: LocalOptions) -> None:
+    """Refuse what `rollout: vllm` cannot do, naming what to use instead."""
+    if opts.model_path is None:
+        raise ConfigError(
+            "backend.rollout: vllm serves a Hugging Face checkpoint: set backend.model_path to a "
+            "Qwen/Llama-family checkpoint directory (`python -m rllm_async.models.tiny_qwen DIR` "
+            "builds a tiny one), or use rollout: local"
+        )
+    co = config.coordinator
+    if co.weight_update == "pin" and co.pipeline_depth > 0:
+        raise ConfigError(
+            "backend.rollout: vllm: a vLLM server holds one weight version, so an episode cannot "
+            "stay on the version it started with (coordinator.weight_update: pin) while rollouts "
+            f"overlap training (coordinator.pipeline_depth {co.pipeline_depth}): set "
+            "coordinator.weight_update: latest (every token keeps the version that sampled it), "
+            "or pipeline_depth: 0 (mode: sync)"
+        )
+
+
+def _hf_state(model: Transformer) -> dict[str, torch.Tensor]:
+    """`model`'s weights under the names of a Hugging Face checkpoint file (`model.` prefixed)."""
+    return {
+        name if name == "lm_head.weight" else f"model.{name}": tensor
+        for name, tensor in hf_weights(model).items()
+    }
 
 
 def _build(

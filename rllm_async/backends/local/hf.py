@@ -39,8 +39,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
 
     `path` is a checkpoint directory, or a `.gguf` file (dequantized once into a cache directory).
     """
-    if path.suffix == ".gguf":
-        path = gguf_to_checkpoint(path)
+    path = checkpoint_dir(path)
     if not (path / "config.json").is_file():
         raise ValueError(
             f"backend.model_path {path} has no config.json: give a checkpoint directory"
@@ -111,6 +110,12 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     return {
         k.removeprefix("model."): v for k, v in raw.items() if not k.endswith("rotary_emb.inv_freq")
     }
+
+
+def checkpoint_dir(path: Path) -> Path:
+    """The checkpoint directory of `backend.model_path`: itself, or a `.gguf` file's dequantized
+    copy (made once, in a cache directory)."""
+    return gguf_to_checkpoint(path) if path.suffix == ".gguf" else path
 
 
 def gguf_to_checkpoint(file: Path, cache_root: Path | None = None) -> Path:

