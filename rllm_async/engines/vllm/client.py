@@ -202,10 +202,10 @@ class VLLMPolicy:
         """Reload every server's weights from `weights_dir` (safetensors with Hugging Face names,
         see `write_weights`) and label them `version`, all servers at once.
 
-        Each server is paused (`mode`: `keep` freezes requests in flight and continues them on
-        the new weights, recomputing their context; `wait` lets them finish first; `abort` cuts
-        them, and `generate` sends them again), reloaded, its prefix cache dropped, relabelled
-        and resumed, in a `finally`, even when the reload fails. New requests wait for the sync.
+        Each server is paused (`mode`: `keep` freezes requests in flight and continues them with
+        the new weights; `wait` lets them finish first; `abort` cuts them, and `generate` sends
+        them again), reloaded, its prefix cache dropped, relabelled and resumed, in a `finally`,
+        even when the reload fails. New requests wait for the sync.
         vLLM's CPU engine dies when a request with a seed is frozen by `keep`, so a `keep` sync
         with seeded requests in flight runs as `wait` instead (the returned `mode` says which).
         Raises `VLLMServerError` naming each server that failed; the servers may then hold
@@ -244,11 +244,14 @@ class VLLMPolicy:
                 "/collective_rpc",
                 json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}},
             )
-            # Frozen requests are preempted too: they recompute their context with the new
-            # weights, and no cached prefix of the old weights survives.
-            await self._post(
-                server, "/reset_prefix_cache", params={"reset_running_requests": "true"}
-            )
+            # No cached prefix of the old weights may serve a later request. Where blocks are
+            # still held the reset refuses; then requests in flight are preempted as well, and
+            # recompute their context with the new weights.
+            reset = await self._post(server, "/reset_prefix_cache")
+            if not (reset or {}).get("success", False):
+                await self._post(
+                    server, "/reset_prefix_cache", params={"reset_running_requests": "true"}
+                )
             await self._label(server, version)
         finally:
             await self._post(server, "/resume")

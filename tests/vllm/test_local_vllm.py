@@ -1,0 +1,203 @@
+"""The local learner with `backend.rollout: vllm`: `rllm-async train` end to end on real vLLM
+servers, the server killed mid-run, and multi-turn chat and the gateway over a vLLM policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from rllm_async.backends.base import SamplingParams
+from rllm_async.backends.hf_tokenizer import load_tokenizer
+from rllm_async.engines.vllm import VLLMPolicy, VLLMServer
+from rllm_async.gateway import Gateway
+from rllm_async.workflows.base import RolloutContext
+
+REPO = Path(__file__).resolve().parents[2]
+RLLM = Path(sys.executable).parent / "rllm-async"
+
+
+def write_config(tmp_path: Path, model: Path, mode: str, steps: int) -> Path:
+    coordinator = {"pipeline_depth": 1, "max_staleness": 2, "weight_update": "latest"}
+    config = {
+        "name": f"vllm-{mode}",
+        "mode": mode,
+        "run_dir": str(tmp_path / "runs"),
+        "backend": {
+            "name": "local",
+            "model_path": str(model),
+            "max_seq_len": 256,
+            "rollout": "vllm",
+            "vllm": {"dtype": "float32", "weights_dir": str(tmp_path / "weights")},
+        },
+        "workflow": {
+            "cls": "rllm_async.workflows.SingleTurnWorkflow",
+            "args": {"reward_fn": "tests.vllm.tasks:reward"},
+        },
+        "data": {"train": {"generator": "tests.vllm.tasks:generator"}},
+        "rollout": {"group_size": 4, "max_tokens": 16, "timeout_s": 60, "retries": 1},
+        "coordinator": coordinator if mode == "async" else {},
+        "train": {"total_steps": steps, "groups_per_step": 4},
+        "checkpoint": {"at_end": False},
+        "logging": {"progress_bar": False},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def train(config: Path, **kwargs: Any) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # the test task module
+    return subprocess.Popen(
+        [str(RLLM), "train", str(config)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
+
+
+def processes_in(run_dir: Path) -> list[int]:
+    """Pids whose working directory is `run_dir`: the servers a run started there."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if Path(os.readlink(proc / "cwd")) == run_dir:
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_rllm_async_train_runs_on_a_vllm_server(tiny_qwen: Path, tmp_path: Path, mode: str) -> None:
+    proc = train(write_config(tmp_path, tiny_qwen, mode, steps=3))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    run_dir = tmp_path / "runs" / f"vllm-{mode}"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["time/sync_s"] > 0 for r in records)
+    # The first step trains on tokens sampled by the starting weights, served in float32: the
+    # learner's logprobs equal the server's (importance weights 1, no sampler-learner KL).
+    first = records[0]
+    assert first["staleness/max"] == 0
+    assert abs(first["loss/is_weight_mean"] - 1.0) < 1e-3 and first["loss/sampler_kl"] < 1e-4
+    assert all(r["loss/num_tokens"] > 0 for r in records)
+    if mode == "sync":
+        assert all(r["staleness/max"] == 0 for r in records)
+    assert (run_dir / "vllm-0.log").is_file()
+    assert processes_in(run_dir.resolve()) == [], "the server was stopped with the run"
+    assert not any((tmp_path / "weights").iterdir()), "the synced weights were deleted"
+
+
+def test_a_server_killed_mid_run_stops_the_run_with_a_clear_error(
+    tiny_qwen: Path, tmp_path: Path
+) -> None:
+    proc = train(write_config(tmp_path, tiny_qwen, "async", steps=1000))
+    run_dir = (tmp_path / "runs" / "vllm-async").resolve()
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.is_file() and metrics.read_text()):  # training has begun
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.5)
+    servers = processes_in(run_dir)
+    assert servers
+    killed_at = time.monotonic()
+    for pid in servers:
+        os.kill(pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    took = time.monotonic() - killed_at
+    assert proc.returncode == 1, out
+    assert "rollouts failed" in out and "127.0.0.1" in out, out
+    assert took < 30, f"the run took {took:.0f}s to stop"
+    assert processes_in(run_dir) == [], "no process of the run is left"
+
+
+@pytest.fixture
+def policy(servers: list[VLLMServer], tiny_qwen: Path) -> VLLMPolicy:
+    tokenizer = load_tokenizer(tiny_qwen, setting="model")
+    return VLLMPolicy([servers[0].url], tokenizer, max_context_tokens=1024)
+
+
+async def _unpaused() -> None:
+    return None
+
+
+def test_a_multi_turn_chat_on_vllm_extends_its_exact_tokens(policy: VLLMPolicy) -> None:
+    import asyncio
+
+    async def go() -> None:
+        async with policy:
+            ctx = RolloutContext(
+                policy,
+                sampling=SamplingParams(max_tokens=12, temperature=1.0),
+                pin=False,
+                wait_unpaused=_unpaused,
+                deadline=float("inf"),
+                task_id="t",
+            )
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "what is 2 plus 2?"}]
+            first = await ctx.chat_turn(messages)
+            messages += [first.message, {"role": "user", "content": "and 3 plus 3?"}]
+            second = await ctx.chat_turn(messages)
+            assert second.extended
+            before = first.step.prompt_ids + first.step.completion_ids
+            assert second.step.prompt_ids[: len(before)] == before
+            [sequence] = ctx.trajectory().to_sequences()
+            assert sequence.tokens == second.step.prompt_ids + second.step.completion_ids
+            sampled = [i for i, m in enumerate(sequence.loss_mask) if m]
+            assert len(sampled) == len(first.step.completion_ids) + len(
+                second.step.completion_ids
+            )
+            assert all(v == policy.version for s in (first, second) for v in s.step.versions)
+
+    asyncio.run(go())
+
+
+def test_the_gateway_serves_the_openai_client_from_vllm(policy: VLLMPolicy) -> None:
+    import asyncio
+
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}},
+        },
+    }
+
+    async def go() -> None:
+        gateway = Gateway(policy, api_key="k", sampling=SamplingParams(max_tokens=16))
+        await gateway.start()
+        try:
+            client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="k")
+            r = await client.chat.completions.create(
+                model="policy",
+                messages=[{"role": "user", "content": "compute 2+2"}],
+                tools=[tool],  # type: ignore[list-item]
+                logprobs=True,
+                n=2,
+                max_tokens=8,
+            )
+            assert len(r.choices) == 2 and r.usage is not None
+            for choice in r.choices:
+                assert choice.finish_reason in ("stop", "length", "tool_calls")
+                assert choice.logprobs is not None and choice.logprobs.content
+                assert r.usage.completion_tokens >= len(choice.logprobs.content)
+        finally:
+            await gateway.stop()
+            await policy.close()
+
+    asyncio.run(go())

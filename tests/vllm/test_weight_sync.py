@@ -1,0 +1,116 @@
+"""Weight syncs into a real vLLM server: reloaded weights are served, versions say which."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from served import CONTEXT, hf_logprobs
+
+from rllm_async.backends.base import SamplingParams
+from rllm_async.backends.hf_tokenizer import load_tokenizer
+from rllm_async.engines.vllm import VLLMPolicy, VLLMServer, write_weights
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+LONG = SamplingParams(temperature=1.0, max_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_qwen: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The served weights as written for reload (`old`), and a perturbed copy (`new`)."""
+    root = tmp_path_factory.mktemp("weights")
+    state = load_file(str(tiny_qwen / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+    config = tiny_qwen / "config.json"
+    return {
+        "old": write_weights(state, root / "old", config=config),
+        "new": write_weights(perturbed, root / "new", config=config),
+    }
+
+
+@pytest.fixture
+def policy(
+    servers: list[VLLMServer], tiny_qwen: Path, weights: dict[str, Path]
+) -> Iterator[VLLMPolicy]:
+    """A client of the first server; the server gets its original weights back afterwards."""
+    tok = load_tokenizer(tiny_qwen, setting="model")
+    yield VLLMPolicy([servers[0].url], tok, max_context_tokens=CONTEXT)
+    restore = VLLMPolicy([servers[0].url], tok, max_context_tokens=CONTEXT)
+    asyncio.run(restore.update_weights(weights["old"], 0, mode="abort"))
+
+
+def prompt_of(policy: VLLMPolicy) -> list[int]:
+    return policy.tokenizer.apply_chat_template([{"role": "user", "content": "what is 2 plus 2?"}])
+
+
+def test_reloaded_weights_are_served_and_the_old_ones_come_back(
+    policy: VLLMPolicy, weights: dict[str, Path]
+) -> None:
+    prompt = prompt_of(policy)
+
+    async def go() -> None:
+        before = await policy.generate(prompt, GREEDY)
+        sync = await policy.update_weights(weights["new"], 1, mode="wait")
+        assert (sync.version, sync.mode, policy.acquire()) == (1, "wait", 1)
+        assert 0 < sync.seconds < 5
+        after = await policy.generate(prompt, GREEDY)
+        assert after.versions == [1] * len(after.ids)
+        expected = hf_logprobs(weights["new"], prompt, after.ids, 0.0)
+        assert max(abs(a - b) for a, b in zip(after.logprobs, expected, strict=True)) < 1e-3
+        assert after.logprobs != before.logprobs
+        await policy.update_weights(weights["old"], 2, mode="wait")
+        again = await policy.generate(prompt, GREEDY)
+        assert (again.ids, again.logprobs) == (before.ids, before.logprobs)  # bit for bit
+        assert again.versions == [2] * len(again.ids)
+        with pytest.raises(RuntimeError, match="hold version 2"):
+            await policy.generate(prompt, GREEDY, version=1)
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_a_sync_during_requests_splits_their_versions(
+    policy: VLLMPolicy, weights: dict[str, Path], mode: str
+) -> None:
+    prompt = prompt_of(policy)
+
+    async def go() -> None:
+        await policy.generate(prompt, GREEDY)  # warm: the requests below start at once
+        running = [asyncio.create_task(policy.generate(prompt, LONG)) for _ in range(8)]
+        await asyncio.sleep(0.5)
+        assert all(policy.in_flight().values())
+        sync = await policy.update_weights(weights["new"], 1, mode=mode)  # type: ignore[arg-type]
+        assert sync.mode == mode
+        outs = await asyncio.gather(*running)
+        for out in outs:
+            assert out.versions == sorted(out.versions)  # old tokens, then new ones
+            assert len(out.ids) == len(out.logprobs) == len(out.versions)
+            assert out.finish_reason == "stop" or len(out.ids) == LONG.max_tokens
+        assert any(set(out.versions) == {0, 1} for out in outs)
+
+    asyncio.run(go())
+
+
+def test_a_keep_sync_with_seeded_requests_in_flight_waits_instead(
+    policy: VLLMPolicy, weights: dict[str, Path]
+) -> None:
+    prompt = prompt_of(policy)
+
+    async def go() -> None:
+        seeded = LONG.updated(seed=5)
+        await policy.generate(prompt, GREEDY)  # warm: the requests below start at once
+        running = [asyncio.create_task(policy.generate(prompt, seeded)) for _ in range(4)]
+        await asyncio.sleep(0.5)
+        sync = await policy.update_weights(weights["new"], 1, mode="keep")
+        assert sync.mode == "wait"
+        outs = await asyncio.gather(*running)
+        assert all(out.versions == [0] * len(out.ids) for out in outs)  # finished before it
+        after = await policy.generate(prompt, seeded)
+        assert set(after.versions) == {1}
+
+    asyncio.run(go())
