@@ -121,7 +121,9 @@ def test_a_server_killed_mid_run_stops_the_run_with_a_clear_error(
     out, _ = proc.communicate(timeout=60)
     took = time.monotonic() - killed_at
     assert proc.returncode == 1, out
-    assert "rollouts failed" in out and "127.0.0.1" in out, out
+    # Through the rollouts (the breaker) or the next weight sync, whichever notices first.
+    assert "rllm-async: the run stopped:" in out and "127.0.0.1" in out, out
+    assert "Traceback" not in out, out
     assert took < 30, f"the run took {took:.0f}s to stop"
     assert processes_in(run_dir) == [], "no process of the run is left"
 
@@ -156,12 +158,10 @@ def test_a_multi_turn_chat_on_vllm_extends_its_exact_tokens(policy: VLLMPolicy) 
             assert second.extended
             before = first.step.prompt_ids + first.step.completion_ids
             assert second.step.prompt_ids[: len(before)] == before
-            [sequence] = ctx.trajectory().to_sequences()
+            [sequence] = ctx.trajectory().sequences()
             assert sequence.tokens == second.step.prompt_ids + second.step.completion_ids
             sampled = [i for i, m in enumerate(sequence.loss_mask) if m]
-            assert len(sampled) == len(first.step.completion_ids) + len(
-                second.step.completion_ids
-            )
+            assert len(sampled) == len(first.step.completion_ids) + len(second.step.completion_ids)
             assert all(v == policy.version for s in (first, second) for v in s.step.versions)
 
     asyncio.run(go())

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rllm_async.backends.base import Tokenizer
 from rllm_async.engines.vllm.client import PauseMode, VLLMPolicy
+from rllm_async.engines.vllm.errors import VLLMServerError
 from rllm_async.engines.vllm.server import VLLMServer
 from rllm_async.engines.vllm.weights import write_weights
 
@@ -104,7 +105,16 @@ class VLLMEngine:
 
     async def load(self, path: Path, version: int) -> float:
         """Reload every server from `path` as `version`; the seconds they were paused."""
-        return (await self.policy.update_weights(path, version, mode=self.mode)).seconds
+        try:
+            return (await self.policy.update_weights(path, version, mode=self.mode)).seconds
+        except VLLMServerError as e:
+            dead = [s for s in self._servers if not s.alive]
+            if not dead:
+                raise
+            raise VLLMServerError(
+                "; ".join(f"the vLLM server at {s.url} is gone, see {s.log_path}" for s in dead)
+                + f":\n{dead[0].log_tail()}"
+            ) from e
 
     def _write_model(self, state: Mapping[str, torch.Tensor]) -> Path:
         """A checkpoint directory of `state` with the source checkpoint's tokenizer files."""
