@@ -8,7 +8,7 @@ The servers run under their own interpreter (`python scripts/vllm_env.py setup` 
 from rllm_async.engines.vllm.client import PauseMode, VLLMPolicy, WeightSync
 from rllm_async.engines.vllm.errors import VLLMServerError
 from rllm_async.engines.vllm.server import VLLMServer
-from rllm_async.engines.vllm.weights import untied, write_weights
+from rllm_async.engines.vllm.weights import check_weights, untied, write_weights
 
 __all__ = [
     "PauseMode",
@@ -16,6 +16,7 @@ __all__ = [
     "VLLMServer",
     "VLLMServerError",
     "WeightSync",
+    "check_weights",
     "untied",
     "write_weights",
 ]

@@ -21,6 +21,7 @@ import httpx
 
 from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
 from rllm_async.engines.vllm.errors import VLLMServerError
+from rllm_async.engines.vllm.weights import check_weights
 
 PauseMode = Literal["keep", "wait", "abort"]
 ABORTED = "abort"  # vLLM's finish_reason for a request a pause with mode=abort cut short
@@ -65,6 +66,7 @@ class VLLMPolicy:
         version: int = 0,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
+        sync_timeout_s: float = 60.0,
         max_connections: int = 1024,
     ) -> None:
         if not urls:
@@ -81,6 +83,7 @@ class VLLMPolicy:
             ),
             trust_env=False,
         )
+        self._sync_timeout = httpx.Timeout(sync_timeout_s, connect=connect_timeout_s)
         self._opened = False
         self._open_lock = asyncio.Lock()
         self._serving = asyncio.Event()  # cleared while a weight sync runs
@@ -190,6 +193,7 @@ class VLLMPolicy:
                 server,
                 "/inference/v1/generate",
                 json={"token_ids": token_ids, "sampling_params": sampling},
+                long=True,
             )
         finally:
             server.in_flight -= 1
@@ -208,14 +212,14 @@ class VLLMPolicy:
         even when the reload fails. New requests wait for the sync.
         vLLM's CPU engine dies when a request with a seed is frozen by `keep`, so a `keep` sync
         with seeded requests in flight runs as `wait` instead (the returned `mode` says which).
-        Raises `VLLMServerError` naming each server that failed; the servers may then hold
-        different weights, and a retry of the same sync is safe.
+        `weights_dir` is checked first (readable safetensors headers): in vLLM 0.32 a reload that
+        fails leaves the server's engine dead or hung, so it must then be restarted. Raises
+        `VLLMServerError` naming each server that failed.
         """
         if mode == "keep" and self._seeded_in_flight:
             mode = "wait"
         weights_dir = Path(weights_dir).resolve()
-        if not any(weights_dir.glob("*.safetensors")):
-            raise ValueError(f"{weights_dir} holds no *.safetensors weights to reload")
+        check_weights(weights_dir)  # vLLM's engine does not survive a failed reload
         await self.open()
         self._serving.clear()
         try:
@@ -237,7 +241,8 @@ class VLLMPolicy:
     async def _sync_one(self, server: _Server, weights_dir: Path, version: int, mode: str) -> float:
         """Pause, reload, relabel and resume one server; the seconds it was paused."""
         start = time.perf_counter()
-        await self._post(server, "/pause", params={"mode": mode})
+        await self._post(server, "/pause", params={"mode": mode}, long=True)
+        failure: VLLMServerError | None = None
         try:
             await self._post(
                 server,
@@ -253,21 +258,42 @@ class VLLMPolicy:
                     server, "/reset_prefix_cache", params={"reset_running_requests": "true"}
                 )
             await self._label(server, version)
-        finally:
+        except VLLMServerError as e:
+            failure = e
+        try:
             await self._post(server, "/resume")
+        except VLLMServerError as e:
+            if failure is None:
+                raise
+            raise VLLMServerError(
+                f"{failure}; then {e}. A failed reload leaves vLLM's engine unusable: restart "
+                f"the server ({server.url})"
+            ) from failure
+        if failure is not None:
+            raise failure
         return time.perf_counter() - start
 
     async def _label(self, server: _Server, version: int) -> None:
         await self._post(server, "/update_weight_version", json={"new_version": str(version)})
 
-    async def _post(self, server: _Server, path: str, **kwargs: Any) -> Any:
-        """POST to one server; its JSON answer, or `VLLMServerError` naming server and cause."""
+    async def _post(self, server: _Server, path: str, *, long: bool = False, **kwargs: Any) -> Any:
+        """POST to one server; its JSON answer, or `VLLMServerError` naming server and cause.
+
+        Control calls are bounded by `sync_timeout_s`; `long` ones (generation, `/pause`, which
+        may wait for requests in flight) by `read_timeout_s`.
+        """
         url = f"{server.url}{path}"
+        timeout = httpx.USE_CLIENT_DEFAULT if long else self._sync_timeout
         try:
-            response = await self._http.post(url, **kwargs)
+            response = await self._http.post(url, timeout=timeout, **kwargs)
         except httpx.ConnectError as e:
             raise VLLMServerError(
                 f"cannot connect to the vLLM server at {server.url} ({e}): is it running?"
+            ) from e
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
+            raise VLLMServerError(
+                f"the connection to the vLLM server at {server.url} broke during {path} "
+                f"({type(e).__name__}): did the server die?"
             ) from e
         except httpx.TimeoutException as e:
             raise VLLMServerError(f"{url} timed out ({type(e).__name__})") from e

@@ -59,6 +59,25 @@ def write_weights(
     return out_dir
 
 
+def check_weights(weights_dir: Path) -> None:
+    """Refuse a directory without safetensors files, or with one whose header does not parse
+    (a truncated or foreign file), before a server tries to load it."""
+    files = sorted(Path(weights_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{weights_dir} holds no *.safetensors weights to reload")
+    for file in files:
+        with file.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            try:
+                if not 0 < size <= file.stat().st_size - 8:
+                    raise ValueError(f"a header of {size} bytes")
+                header = json.loads(f.read(size))
+                if not isinstance(header, dict):
+                    raise ValueError("a header that is not a JSON object")
+            except ValueError as e:
+                raise ValueError(f"{file} is not a readable safetensors file ({e})") from None
+
+
 def _replace(new: Path, target: Path) -> None:
     """Rename `new` to `target`, moving an existing `target` aside first and deleting it after."""
     if not target.exists():
