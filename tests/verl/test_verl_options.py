@@ -24,6 +24,8 @@ def make_config(coordinator: dict[str, Any] | None = None, **backend: Any) -> Co
 
 
 LATEST = {"weight_update": "latest"}
+# The project's vLLM engine over a server of the user's (no interpreter needed to check options).
+ENGINE = {"rollout": "vllm", "vllm": {"urls": ["http://127.0.0.1:8000"]}}
 
 
 @pytest.mark.parametrize(
@@ -31,16 +33,16 @@ LATEST = {"weight_update": "latest"}
     [
         ({"gpus_per_node": 4, "fsdp": {"fsdp_size": 3}}, "fsdp_size (3) must divide the 4"),
         (
-            {"gpus_per_node": 2, "tensor_parallel_size": 4, "rollout": "vllm"},
+            {"gpus_per_node": 2, "tensor_parallel_size": 4, "rollout": "verl-vllm"},
             "exceeds backend.gpus_per_node",
         ),
         (
-            {"gpus_per_node": 6, "tensor_parallel_size": 4, "rollout": "vllm"},
+            {"gpus_per_node": 6, "tensor_parallel_size": 4, "rollout": "verl-vllm"},
             "must divide backend.gpus_per_node",
         ),
         (
             {
-                "rollout": "sglang",
+                "rollout": "verl-sglang",
                 "rollout_nodes": 1,
                 "rollout_gpus_per_node": 2,
                 "tensor_parallel_size": 4,
@@ -49,16 +51,27 @@ LATEST = {"weight_update": "latest"}
         ),
         (
             {"tensor_parallel_size": 2, "gpus_per_node": 2},
-            "backend.tensor_parallel_size applies to vllm/sglang rollout servers",
+            "backend.tensor_parallel_size applies to verl's rollout servers",
         ),
-        ({"rollout_nodes": 1}, "backend.rollout_nodes applies to vllm/sglang"),
-        ({"rollout": "sglang", "device": "cpu"}, "runs sglang servers on GPUs"),
-        ({"rollout": "vllm", "rollout_gpus_per_node": 4}, "set rollout_nodes, or remove"),
+        ({"rollout_nodes": 1}, "backend.rollout_nodes applies to verl's rollout servers"),
         (
-            {"rollout": "vllm", "rollout_nodes": 1, "checkpoint_engine": "naive"},
+            {**ENGINE, "device": "cpu", "checkpoint_engine": "naive"},
+            "backend.checkpoint_engine applies to verl's rollout servers (rollout: "
+            "verl-vllm|verl-sglang), not to rollout: vllm",
+        ),
+        ({"rollout": "verl-sglang", "device": "cpu"}, "runs verl's sglang servers on GPUs"),
+        ({"rollout": "verl-vllm", "rollout_gpus_per_node": 4}, "set rollout_nodes, or remove"),
+        (
+            {"rollout": "verl-vllm", "rollout_nodes": 1, "checkpoint_engine": "naive"},
             "checkpoint_engine: naive loads weights in the training process",
         ),
-        ({"rollout": "vllm"}, "set coordinator.weight_update: latest"),
+        ({"rollout": "verl-vllm"}, "set coordinator.weight_update: latest"),
+        (ENGINE, "set coordinator.weight_update: latest"),
+        ({"vllm": {"dtype": "float32"}}, "remove backend.vllm, or set rollout: vllm"),
+        (
+            {"rollout": "vllm", "vllm": {"python": "/nonexistent/python"}},
+            "starts vLLM servers with /nonexistent/python, which does not exist",
+        ),
         ({"nodes": 2}, "a Ray started here has one node"),
         ({"ray_address": "auto", "ray_num_cpus": 4}, "remove ray_num_cpus"),
         ({"device": "cpu", "fsdp": {"param_offload": True}}, "mean nothing on cpu"),
@@ -75,10 +88,16 @@ def test_impossible_layouts_are_refused(backend: dict[str, Any], message: str) -
 @pytest.mark.parametrize(
     ("backend", "coordinator", "mode"),
     [
-        ({"rollout": "vllm", "gpus_per_node": 4, "tensor_parallel_size": 2}, LATEST, "async"),
-        ({"rollout": "sglang", "rollout_nodes": 2, "rollout_gpus_per_node": 8}, LATEST, "async"),
-        ({"rollout": "vllm"}, {"pipeline_depth": 0, "max_staleness": 0}, "async"),
-        ({"rollout": "vllm"}, {}, "sync"),  # sync is pinned, but no episode spans a sync
+        ({"rollout": "verl-vllm", "gpus_per_node": 4, "tensor_parallel_size": 2}, LATEST, "async"),
+        (
+            {"rollout": "verl-sglang", "rollout_nodes": 2, "rollout_gpus_per_node": 8},
+            LATEST,
+            "async",
+        ),
+        ({"rollout": "verl-vllm"}, {"pipeline_depth": 0, "max_staleness": 0}, "async"),
+        ({"rollout": "verl-vllm"}, {}, "sync"),  # sync is pinned, but no episode spans a sync
+        ({**ENGINE, "device": "cpu"}, LATEST, "async"),
+        ({**ENGINE, "device": "cpu"}, {}, "sync"),
     ],
 )
 def test_server_rollouts_are_accepted(
@@ -94,6 +113,11 @@ def test_server_rollouts_are_accepted(
     )
     opts = check_config(cfg)
     assert opts.rollout == backend["rollout"]
+
+
+def test_the_old_sglang_name_says_what_it_is_now() -> None:
+    with pytest.raises(ConfigError, match="sglang is now verl-sglang"):
+        check_config(make_config(rollout="sglang"))
 
 
 def test_kl_penalty_is_refused() -> None:
@@ -128,13 +152,13 @@ def test_missing_verl_names_the_extra(tmp_path: Path) -> None:
 
 
 def test_missing_server_package_names_the_extra(tmp_path: Path) -> None:
-    """rollout: vllm|sglang without the package is refused before Ray starts, naming the install."""
+    """verl's servers without their package are refused before Ray starts, naming the install."""
     code = (
         "from rllm_async.backends import get_backend_factory\n"
         "from rllm_async.config import ConfigError, config_from_dict\n"
         "for name in ('vllm', 'sglang'):\n"
         "    cfg = config_from_dict({'backend': {'name': 'verl', 'model_path': '/nonexistent',\n"
-        "        'rollout': name}, 'coordinator': {'weight_update': 'latest'}})\n"
+        "        'rollout': 'verl-' + name}, 'coordinator': {'weight_update': 'latest'}})\n"
         "    try:\n        get_backend_factory('verl').from_config(cfg)\n"
         "    except ConfigError as e:\n        print(e)\n"
     )

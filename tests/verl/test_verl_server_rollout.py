@@ -1,4 +1,5 @@
-"""`rollout: vllm` end to end on the CPU: verl's server manager, router, client and weight sync.
+"""`rollout: verl-vllm` end to end on the CPU: verl's server manager, router, client and weight
+sync.
 
 The servers are `server_stub.StubServer` (the only fake: vLLM cannot run here), registered under
 verl's name `vllm`. Everything else is real: two FSDP training workers holding verl's rollout
@@ -44,7 +45,7 @@ def backend(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                 "model_path": str(tiny_checkpoint),
                 "device": "cpu",
                 "gpus_per_node": 2,
-                "rollout": "vllm",
+                "rollout": "verl-vllm",
                 "max_seq_len": 96,
                 "overrides": ["model.external_lib=server_stub"],
             },

@@ -1,4 +1,5 @@
-"""VerlBackend: verl's FSDP training workers in a Ray worker group, with local or server rollout."""
+"""VerlBackend: verl's FSDP training workers in a Ray worker group, with the local sampler, the
+project's vLLM engine, or verl's own rollout servers."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from rllm_async.backends.verl.loss import LOSS_KEY
 from rllm_async.backends.verl.options import VerlOptions, check_config
 from rllm_async.backends.verl.server_rollout import ServerRollout, check_server_installed
 from rllm_async.backends.verl.verl_config import verl_config
+from rllm_async.backends.verl.vllm_rollout import VLLMRollout
 from rllm_async.backends.verl.worker import VerlWorker
 from rllm_async.config import Config, ConfigError, LossConfig
 from rllm_async.types import TrajectoryGroup
@@ -37,7 +39,8 @@ class VerlBackend:
     """verl 0.9's split-step actor workers (FSDP) on Ray, fed one micro-batch per call.
 
     Rollout is `LocalRollout` (the local sampler in this process, fed with weights exported from
-    the workers) or `ServerRollout` (verl's vLLM/SGLang servers, fed by its checkpoint engines).
+    the workers), `VLLMRollout` (the project's vLLM engine, fed with the same export) or
+    `ServerRollout` (verl's vLLM/SGLang servers, fed by its checkpoint engines).
     """
 
     options: ClassVar[type[VerlOptions]] = VerlOptions
@@ -48,12 +51,12 @@ class VerlBackend:
         self.opts = opts
         self.temperature = config.rollout.temperature or 1.0
         path = Path(opts.model_path).expanduser()
-        local = opts.rollout == "local"
-        if local:
+        if opts.rollout == "local":
             ckpt = load_checkpoint(path)  # before Ray: a model the sampler cannot run stops here
             tokenizer: Any = ckpt.tokenizer
         else:
-            check_server_installed(opts.rollout)
+            if opts.verl_server is not None:
+                check_server_installed(opts.verl_server)
             tokenizer = load_tokenizer(
                 path, setting="backend.model_path", require_chat_template=True
             )
@@ -67,10 +70,12 @@ class VerlBackend:
             self._shutdown_ray()
             raise
         try:
-            self.rollout: LocalRollout | ServerRollout
-            if local:
+            self.rollout: LocalRollout | VLLMRollout | ServerRollout
+            if opts.rollout == "local":
                 seed = config.seed if opts.seed is None else opts.seed
                 self.rollout = LocalRollout(ckpt, self.workers, opts, seed)
+            elif opts.rollout == "vllm":  # the engine stops its servers if one fails to start
+                self.rollout = VLLMRollout(config, opts, self.workers, tokenizer)
             else:
                 self.rollout = ServerRollout(cfg, self.workers, opts, tokenizer)
                 self.rollout.sync(0)  # the servers start without the trained weights
@@ -157,7 +162,11 @@ class VerlBackend:
     async def on_policy_updated(self, version: int) -> None:
         """Move the trained weights to the rollout (sampler or servers) as `version`."""
         start = time.perf_counter()
-        await self._call(self.rollout.sync, version)
+        if isinstance(self.rollout, VLLMRollout):
+            # Gathered and written on the call thread; loaded from the loop the client lives on.
+            await self.rollout.load(await self._call(self.rollout.export), version)
+        else:
+            await self._call(self.rollout.sync, version)
         self._version = version
         self.export_s = time.perf_counter() - start
 
@@ -192,7 +201,7 @@ class VerlBackend:
         if self._closed:
             return
         self._closed = True
-        self.rollout.close()
+        await self.rollout.close()
         self._stop_workers()
         self._calls.shutdown(wait=True)
         self._shutdown_ray()
@@ -255,7 +264,7 @@ def _worker_group(actor_rollout_ref: Any, opts: VerlOptions) -> RayWorkerGroup:
     pool = RayResourcePool(
         process_on_nodes=[opts.gpus_per_node] * opts.nodes, use_gpu=not cpu, max_colocate_count=1
     )
-    role = "actor_rollout" if opts.rollout != "local" and opts.colocated else "actor"
+    role = "actor_rollout" if opts.verl_server is not None and opts.colocated else "actor"
     init = RayClassWithInitArgs(cls=ray.remote(VerlWorker), config=actor_rollout_ref, role=role)
     group = RayWorkerGroup(
         resource_pool=pool, ray_cls_with_init=init, worker_env=env, device_name=opts.device

@@ -53,7 +53,8 @@ class LocalRollout:
         state = self.workers.export_weights()[0]
         self.store.publish(version, self._snapshot(state))
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Stop the sampler's decode thread."""
         self.sampler.close()
 
     def _snapshot(self, state: dict[str, torch.Tensor]) -> Any:

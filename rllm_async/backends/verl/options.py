@@ -5,11 +5,16 @@ Nothing here imports verl, so a bad config is refused before Ray or verl start.
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rllm_async.config import Config, ConfigError, validate_options
+from rllm_async.engines.vllm.engine import VLLMOptions
+from rllm_async.engines.vllm.server import REPO_VENV_PYTHON
+
+VERL_SERVERS = {"verl-vllm": "vllm", "verl-sglang": "sglang"}  # our rollout name: verl's
 
 
 class FSDPOptions(BaseModel):
@@ -37,8 +42,11 @@ class VerlOptions(BaseModel):
     device: Literal["cuda", "cpu"] = "cuda"  # cpu: the training workers run on CPU (gloo)
     nodes: int = Field(default=1, ge=1)
     gpus_per_node: int = Field(default=1, ge=1)  # with device: cpu, training processes per node
-    rollout: Literal["local", "vllm", "sglang"] = "local"
-    tensor_parallel_size: int = Field(default=1, ge=1)  # of each vllm/sglang rollout server
+    # Who samples: the local sampler in this process, the project's vLLM engine (`vllm:`, as with
+    # `backend.name: local`), or verl's own vLLM/SGLang server replicas.
+    rollout: Literal["local", "vllm", "verl-vllm", "verl-sglang"] = "local"
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
+    tensor_parallel_size: int = Field(default=1, ge=1)  # of each verl-vllm/verl-sglang server
     # 0: the rollout servers share the training GPUs (colocated); n: n nodes of their own.
     rollout_nodes: int = Field(default=0, ge=0)
     rollout_gpus_per_node: int | None = Field(default=None, ge=1)  # null: gpus_per_node
@@ -59,6 +67,22 @@ class VerlOptions(BaseModel):
     max_seq_len: int = Field(default=256, ge=2)
     sampler_threads: int = Field(default=1, ge=1)
     seed: int | None = None  # unseeded sampling; None: the config's seed
+
+    @field_validator("rollout", mode="before")
+    @classmethod
+    def _renamed(cls, value: Any) -> Any:
+        """`sglang` named verl's SGLang servers before `vllm` came to mean the shared engine."""
+        if value == "sglang":
+            raise ValueError(
+                "sglang is now verl-sglang (verl's SGLang servers; verl-vllm are verl's vLLM "
+                "servers, and vllm is the project's vLLM engine)"
+            )
+        return value
+
+    @property
+    def verl_server(self) -> str | None:
+        """verl's name of the rollout servers verl starts (`vllm`, `sglang`); None for ours."""
+        return VERL_SERVERS.get(self.rollout)
 
     @property
     def world_size(self) -> int:
@@ -110,7 +134,7 @@ def check_config(config: Config) -> VerlOptions:
             "episode cannot stay on the version it started with (coordinator.weight_update: pin) "
             f"while rollouts overlap training (coordinator.pipeline_depth {co.pipeline_depth}): "
             "set coordinator.weight_update: latest (every token keeps the version that sampled "
-            "it), or pipeline_depth: 0"
+            "it), or pipeline_depth: 0 (mode: sync)"
         )
     if config.rollout.max_tokens >= opts.max_seq_len:
         problems.append(
@@ -158,21 +182,30 @@ def layout_problems(opts: VerlOptions) -> list[str]:
 
 
 def _rollout_problems(opts: VerlOptions) -> list[str]:
-    """What is impossible about the rollout: the local sampler, or verl's servers and their GPUs."""
-    if opts.rollout == "local":
+    """What is impossible about the rollout: the local sampler, the vLLM engine, or verl's servers."""
+    problems = []
+    if "vllm" in opts.model_fields_set and opts.rollout != "vllm":
+        problems.append(
+            f"backend.vllm configures the vLLM engine of rollout: vllm, but rollout is "
+            f"{opts.rollout}: remove backend.vllm, or set rollout: vllm"
+        )
+    if opts.verl_server is None:
         extra = [
             ("tensor_parallel_size", opts.tensor_parallel_size != 1),
             ("rollout_nodes", opts.rollout_nodes != 0),
             ("rollout_gpus_per_node", opts.rollout_gpus_per_node is not None),
+            ("checkpoint_engine", "checkpoint_engine" in opts.model_fields_set),
         ]
-        return [
-            f"backend.{key} applies to vllm/sglang rollout servers; the local sampler "
-            "(rollout: local) runs in this process on one device: remove it"
+        problems += [
+            f"backend.{key} applies to verl's rollout servers (rollout: verl-vllm|verl-sglang), "
+            f"not to rollout: {opts.rollout}: remove it"
             for key, set_ in extra
             if set_
         ]
-    problems = []
-    name, tp, gpus = opts.rollout, opts.tensor_parallel_size, opts.server_gpus_per_node
+        if opts.rollout == "vllm":
+            problems += _engine_problems(opts.vllm)
+        return problems
+    name, tp, gpus = opts.verl_server, opts.tensor_parallel_size, opts.server_gpus_per_node
     where = "backend.gpus_per_node" if opts.colocated else "the rollout GPUs per node"
     if tp > gpus:
         problems.append(
@@ -183,8 +216,9 @@ def _rollout_problems(opts: VerlOptions) -> list[str]:
         problems.append(f"backend.tensor_parallel_size ({tp}) must divide {where} ({gpus})")
     if opts.device != "cuda":
         problems.append(
-            f"backend.rollout: {name} runs {name} servers on GPUs, but backend.device is "
-            f"{opts.device}: use device: cuda, or rollout: local"
+            f"backend.rollout: {opts.rollout} runs verl's {name} servers on GPUs, but "
+            f"backend.device is {opts.device}: use device: cuda, or rollout: vllm (the project's "
+            "vLLM engine, which runs on the CPU) or local"
         )
     if opts.colocated and opts.rollout_gpus_per_node is not None:
         problems.append(
@@ -197,3 +231,15 @@ def _rollout_problems(opts: VerlOptions) -> list[str]:
             "colocated servers share: use nccl (or another verl engine) with rollout_nodes > 0"
         )
     return problems
+
+
+def _engine_problems(vllm: VLLMOptions) -> list[str]:
+    """What stops the vLLM engine from starting servers, found before Ray and verl start."""
+    python = Path(vllm.python) if vllm.python else REPO_VENV_PYTHON
+    if vllm.urls or python.is_file():
+        return []
+    return [
+        f"backend.rollout: vllm starts vLLM servers with {python}, which does not exist: run "
+        "`python scripts/vllm_env.py setup`, set backend.vllm.python to an interpreter with "
+        "vLLM, or give running servers as backend.vllm.urls"
+    ]

@@ -1,4 +1,5 @@
-"""`rollout: vllm|sglang`: verl's own rollout servers, weight sync through its checkpoint engines.
+"""`rollout: verl-vllm|verl-sglang`: verl's own rollout servers, weight sync through its
+checkpoint engines.
 
 Requests go token-in/token-out through verl's `LLMServerManager` client, whose router keeps every
 request of one session on one server (sticky, for prefix caching). The session is the calling
@@ -42,20 +43,21 @@ def session_id() -> str:
 
 
 def check_server_installed(name: str) -> None:
-    """Refuse `rollout: name` when verl cannot load its replica class (vllm/sglang missing)."""
+    """Refuse verl's `name` servers (vllm, sglang) when verl cannot load their replica class."""
     from verl.workers.rollout.replica import get_rollout_replica_class
 
     try:
         get_rollout_replica_class(name)
     except (ImportError, ValueError) as e:  # verl's vllm loader raises ValueError when it is absent
         raise ConfigError(
-            f"backend.rollout: {name} needs the {name} package in this environment and on every "
-            f"node ({e}): pip install 'verl[{name}]=={VERL_VERSION}', or use rollout: local"
+            f"backend.rollout: verl-{name} needs the {name} package in this environment and on "
+            f"every node ({e}): pip install 'verl[{name}]=={VERL_VERSION}', or use rollout: vllm "
+            "(the project's vLLM engine, in an environment of its own) or local"
         ) from e
 
 
 class ServerPolicy:
-    """The `PolicyClient` of `rollout: vllm|sglang`, over verl's `LLMServerClient`.
+    """The `PolicyClient` of `rollout: verl-vllm|verl-sglang`, over verl's `LLMServerClient`.
 
     `acquire` gives the version the servers hold; a `version` passed to `generate` must be it
     (a server cannot sample with weights it no longer has).
@@ -163,7 +165,7 @@ class ServerRollout:
         self.policy = ServerPolicy(
             self.manager.get_client(),
             tokenizer,
-            server=opts.rollout,
+            server=cfg.actor_rollout_ref.rollout.name,
             max_context_tokens=opts.max_seq_len,
         )
         self._awake = True  # replicas start serving (the first sync loads the trained weights)
@@ -187,7 +189,7 @@ class ServerRollout:
             self.checkpoints.update_weights(global_steps=version)
         self.policy.version = version
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Stop the servers and the router; standalone replicas also free their own GPUs."""
         import ray
 

@@ -36,7 +36,7 @@ def verl_config(config: Config, opts: VerlOptions) -> DictConfig:
     except HydraException as e:
         raise ConfigError(f"backend.overrides {opts.overrides}: {e}") from e
     settings = _settings(config, opts)
-    if opts.rollout != "local":
+    if opts.verl_server is not None:
         settings.update(_server_settings(config, opts))
     for key, value in settings.items():
         OmegaConf.update(cfg, f"actor_rollout_ref.{key}", value, force_add=True)
@@ -44,9 +44,9 @@ def verl_config(config: Config, opts: VerlOptions) -> DictConfig:
 
 
 def _server_settings(config: Config, opts: VerlOptions) -> dict[str, Any]:
-    """verl's rollout section for vllm/sglang servers: layout, lengths and weight transfer."""
+    """verl's rollout section for its vllm/sglang servers: layout, lengths and weight transfer."""
     return {
-        "rollout.name": opts.rollout,
+        "rollout.name": opts.verl_server,
         "rollout.tensor_model_parallel_size": opts.tensor_parallel_size,
         "rollout.nnodes": opts.rollout_nodes,
         "rollout.n_gpus_per_node": opts.server_gpus_per_node,

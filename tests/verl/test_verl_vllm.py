@@ -1,0 +1,110 @@
+"""`backend.name: verl` with `rollout: vllm`: `rllm-async train` end to end on the CPU, verl's FSDP2
+worker training a tiny Qwen3 and a real vLLM server (the project's engine, from `.venv-vllm/`)
+sampling from it and reloading the trained weights after every step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rllm_async.engines.vllm.server import REPO_VENV_PYTHON
+
+HERE = Path(__file__).resolve().parent
+RLLM = Path(sys.executable).parent / "rllm-async"
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(420),
+    pytest.mark.skipif(
+        not REPO_VENV_PYTHON.is_file(),
+        reason=f"no {REPO_VENV_PYTHON}: run `python scripts/vllm_env.py setup` first",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random two-layer Qwen3 (hidden 256, float32, untied) with its tokenizer."""
+    from rllm_async.models.tiny_qwen import build_tiny_qwen
+
+    return build_tiny_qwen(tmp_path_factory.mktemp("tiny-qwen"))
+
+
+def write_config(tmp_path: Path, model: Path) -> Path:
+    config = {
+        "name": "verl-vllm",
+        "mode": "async",
+        "run_dir": str(tmp_path / "runs"),
+        "backend": {
+            "name": "verl",
+            "model_path": str(model),
+            "device": "cpu",
+            "gpus_per_node": 1,
+            "max_seq_len": 128,
+            "rollout": "vllm",
+            # float32 serving: the first step's importance weights are 1 up to summation order.
+            "vllm": {"dtype": "float32", "weights_dir": str(tmp_path / "weights")},
+        },
+        "workflow": {
+            "cls": "rllm_async.workflows.SingleTurnWorkflow",
+            "args": {"reward_fn": "rewards:odd_length"},
+        },
+        "data": {"train": {"generator": "rewards:questions"}},
+        "rollout": {"group_size": 4, "max_tokens": 16, "timeout_s": 60, "retries": 1},
+        "coordinator": {"pipeline_depth": 1, "max_staleness": 2, "weight_update": "latest"},
+        "train": {"total_steps": 3, "groups_per_step": 4},
+        "checkpoint": {"at_end": False},
+        "logging": {"progress_bar": False},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def processes_in(run_dir: Path) -> list[int]:
+    """Pids whose working directory is `run_dir`: the vLLM servers a run started there."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if Path(os.readlink(proc / "cwd")) == run_dir:
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_rllm_async_train_with_verl_learner_and_vllm_rollout(
+    tiny_qwen: Path, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(HERE)}  # `rewards`, by plain name
+    proc = subprocess.run(
+        [str(RLLM), "train", str(write_config(tmp_path, tiny_qwen))],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=360,
+    )
+    assert proc.returncode == 0, proc.stdout
+    run_dir = (tmp_path / "runs" / "verl-vllm").resolve()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["time/sync_s"] > 0 for r in records)
+    assert all(r["loss/num_tokens"] > 0 for r in records)
+    # The servers start from the workers' weights: the first step trains on tokens sampled by the
+    # policy being trained, so verl's log-probs equal the server's.
+    first = records[0]
+    assert first["staleness/max"] == 0
+    assert abs(first["loss/is_weight_mean"] - 1.0) < 1e-3, first
+    assert first["loss/sampler_kl"] < 1e-4, first
+    assert (run_dir / "vllm-0.log").is_file()
+    assert processes_in(run_dir) == [], "the vLLM server was stopped with the run"
+    assert not any((tmp_path / "weights").iterdir()), "the synced weights were deleted"
