@@ -8,7 +8,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -36,7 +38,7 @@ def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen(tmp_path_factory.mktemp("tiny-qwen"))
 
 
-def write_config(tmp_path: Path, model: Path) -> Path:
+def write_config(tmp_path: Path, model: Path, **vllm: Any) -> Path:
     config = {
         "name": "verl-vllm",
         "mode": "async",
@@ -49,7 +51,7 @@ def write_config(tmp_path: Path, model: Path) -> Path:
             "max_seq_len": 128,
             "rollout": "vllm",
             # float32 serving: the first step's importance weights are 1 up to summation order.
-            "vllm": {"dtype": "float32", "weights_dir": str(tmp_path / "weights")},
+            "vllm": {"dtype": "float32", "weights_dir": str(tmp_path / "weights"), **vllm},
         },
         "workflow": {
             "cls": "rllm_async.workflows.SingleTurnWorkflow",
@@ -80,19 +82,23 @@ def processes_in(run_dir: Path) -> list[int]:
     return found
 
 
-def test_rllm_async_train_with_verl_learner_and_vllm_rollout(
-    tiny_qwen: Path, tmp_path: Path
-) -> None:
-    env = {**os.environ, "PYTHONPATH": str(HERE)}  # `rewards`, by plain name
-    proc = subprocess.run(
-        [str(RLLM), "train", str(write_config(tmp_path, tiny_qwen))],
-        cwd=tmp_path,
-        env=env,
+def train(config: Path) -> subprocess.CompletedProcess[str]:
+    """`rllm-async train config` in this interpreter's environment (the verl one)."""
+    return subprocess.run(
+        [str(RLLM), "train", str(config)],
+        cwd=config.parent,
+        env={**os.environ, "PYTHONPATH": str(HERE)},  # `rewards`, by plain name
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         timeout=360,
     )
+
+
+def test_rllm_async_train_with_verl_learner_and_vllm_rollout(
+    tiny_qwen: Path, tmp_path: Path
+) -> None:
+    proc = train(write_config(tmp_path, tiny_qwen))
     assert proc.returncode == 0, proc.stdout
     run_dir = (tmp_path / "runs" / "verl-vllm").resolve()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -108,3 +114,21 @@ def test_rllm_async_train_with_verl_learner_and_vllm_rollout(
     assert (run_dir / "vllm-0.log").is_file()
     assert processes_in(run_dir) == [], "the vLLM server was stopped with the run"
     assert not any((tmp_path / "weights").iterdir()), "the synced weights were deleted"
+
+
+def test_a_server_that_cannot_start_stops_the_run_with_its_error(
+    tiny_qwen: Path, tmp_path: Path
+) -> None:
+    """Ray and the workers are up when the server starts; its failure still ends the run at once,
+    quoting the server's log."""
+    broken = tmp_path / "broken-python"
+    broken.write_text("#!/bin/sh\necho 'no vllm here' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    start = time.monotonic()
+    proc = train(write_config(tmp_path, tiny_qwen, python=str(broken)))
+    assert proc.returncode == 1, proc.stdout
+    assert "rllm-async: the run stopped:" in proc.stdout, proc.stdout
+    assert "exited with" in proc.stdout and "no vllm here" in proc.stdout, proc.stdout
+    assert "Traceback" not in proc.stdout, proc.stdout
+    assert time.monotonic() - start < 120, "the run hung after the failed start"
+    assert not any((tmp_path / "weights").iterdir()), "the weight files were deleted"
