@@ -16,7 +16,7 @@ from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServer, write_weights
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
-LONG = SamplingParams(temperature=1.0, max_tokens=512)
+LONG = SamplingParams(temperature=1.0, max_tokens=900)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,8 @@ def test_a_sync_during_requests_splits_their_versions(
 
     async def go() -> None:
         await policy.generate(prompt, GREEDY)  # warm: the requests below start at once
-        running = [asyncio.create_task(policy.generate(prompt, LONG)) for _ in range(8)]
+        # Many long requests: the random model ends some early, at its end-of-turn token.
+        running = [asyncio.create_task(policy.generate(prompt, LONG)) for _ in range(32)]
         await asyncio.sleep(0.5)
         assert all(policy.in_flight().values())
         sync = await policy.update_weights(weights["new"], 1, mode=mode)  # type: ignore[arg-type]
@@ -91,7 +92,8 @@ def test_a_sync_during_requests_splits_their_versions(
             assert out.versions == sorted(out.versions)  # old tokens, then new ones
             assert len(out.ids) == len(out.logprobs) == len(out.versions)
             assert out.finish_reason == "stop" or len(out.ids) == LONG.max_tokens
-        assert any(set(out.versions) == {0, 1} for out in outs)
+        spans = [(out.versions.count(0), out.versions.count(1)) for out in outs]
+        assert any(old and new for old, new in spans), spans
 
     asyncio.run(go())
 
@@ -109,7 +111,8 @@ def test_a_keep_sync_with_seeded_requests_in_flight_waits_instead(
         sync = await policy.update_weights(weights["new"], 1, mode="keep")
         assert sync.mode == "wait"
         outs = await asyncio.gather(*running)
-        assert all(out.versions == [0] * len(out.ids) for out in outs)  # finished before it
+        # Each request ran wholly before the reload, or (queued at the pause) wholly after it.
+        assert all(len(set(out.versions)) == 1 for out in outs)
         after = await policy.generate(prompt, seeded)
         assert set(after.versions) == {1}
 

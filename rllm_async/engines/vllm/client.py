@@ -64,7 +64,7 @@ class VLLMPolicy:
         *,
         max_context_tokens: int,
         version: int = 0,
-        connect_timeout_s: float = 5.0,
+        connect_timeout_s: float = 30.0,
         read_timeout_s: float = 600.0,
         sync_timeout_s: float = 60.0,
         max_connections: int = 1024,
