@@ -38,10 +38,11 @@ def tiny_qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_qwen(tmp_path_factory.mktemp("tiny-qwen"))
 
 
-def write_config(tmp_path: Path, model: Path, **vllm: Any) -> Path:
+def write_config(tmp_path: Path, model: Path, mode: str = "async", **vllm: Any) -> Path:
+    coordinator = {"pipeline_depth": 1, "max_staleness": 2, "weight_update": "latest"}
     config = {
         "name": "verl-vllm",
-        "mode": "async",
+        "mode": mode,
         "run_dir": str(tmp_path / "runs"),
         "backend": {
             "name": "verl",
@@ -59,7 +60,7 @@ def write_config(tmp_path: Path, model: Path, **vllm: Any) -> Path:
         },
         "data": {"train": {"generator": "rewards:questions"}},
         "rollout": {"group_size": 4, "max_tokens": 16, "timeout_s": 60, "retries": 1},
-        "coordinator": {"pipeline_depth": 1, "max_staleness": 2, "weight_update": "latest"},
+        "coordinator": coordinator if mode == "async" else {},
         "train": {"total_steps": 3, "groups_per_step": 4},
         "checkpoint": {"at_end": False},
         "logging": {"progress_bar": False},
@@ -95,10 +96,11 @@ def train(config: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
 def test_rllm_async_train_with_verl_learner_and_vllm_rollout(
-    tiny_qwen: Path, tmp_path: Path
+    tiny_qwen: Path, tmp_path: Path, mode: str
 ) -> None:
-    proc = train(write_config(tmp_path, tiny_qwen))
+    proc = train(write_config(tmp_path, tiny_qwen, mode))
     assert proc.returncode == 0, proc.stdout
     run_dir = (tmp_path / "runs" / "verl-vllm").resolve()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -111,6 +113,11 @@ def test_rllm_async_train_with_verl_learner_and_vllm_rollout(
     assert first["staleness/max"] == 0
     assert abs(first["loss/is_weight_mean"] - 1.0) < 1e-3, first
     assert first["loss/sampler_kl"] < 1e-4, first
+    if mode == "sync":
+        # On-policy after every sync (pause mode `wait`): the reloaded server samples exactly the
+        # weights verl just trained, so every step's importance weights are 1, not just the first.
+        assert all(r["staleness/max"] == 0 for r in records)
+        assert all(abs(r["loss/is_weight_mean"] - 1.0) < 1e-3 for r in records), records
     assert (run_dir / "vllm-0.log").is_file()
     assert processes_in(run_dir) == [], "the vLLM server was stopped with the run"
     assert not any((tmp_path / "weights").iterdir()), "the synced weights were deleted"
