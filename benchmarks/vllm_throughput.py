@@ -2,13 +2,14 @@
 
 Both sample `--batch` concurrent requests of up to `--new-tokens` tokens (a completion may end
 early at the model's end-of-turn token; tokens/s counts the tokens produced) from the tiny random
-Qwen3 of `rllm_async.models.tiny_qwen` (or `--model DIR`), after a warm-up, `--repeats` times
+Qwen3 of `rllm_async.models.tiny_qwen` (or `--model`: a checkpoint directory, or a `.gguf` file
+dequantized once into the project's cache), after a warm-up, `--repeats` times
 each; figures are medians. Also the weight sync (`update_weights`: pause, reload from /dev/shm,
 relabel, resume), idle and during a full batch. The server needs `.venv-vllm/`
 (`python scripts/vllm_env.py setup`). Prints one JSON line.
 
 Usage: python benchmarks/vllm_throughput.py [--batch 64] [--new-tokens 128] [--repeats 3]
-                                           [--dtype bfloat16] [--model DIR]
+                                           [--dtype bfloat16] [--model DIR|FILE.gguf]
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from rllm_async.backends.base import Completion, SamplingParams
-from rllm_async.backends.local.hf import load_checkpoint
+from rllm_async.backends.local.hf import checkpoint_dir, load_checkpoint
 from rllm_async.backends.local.model import frozen_copy, load_model
 from rllm_async.backends.local.sampler import Sampler
 from rllm_async.backends.local.snapshots import WeightStore
@@ -119,11 +120,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", help="the vLLM server's dtype")
-    parser.add_argument("--model", type=Path, help="a checkpoint directory (default: tiny Qwen3)")
+    parser.add_argument(
+        "--model", type=Path, help="a checkpoint directory or .gguf file (default: tiny Qwen3)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model or build_tiny_qwen(Path(tmp) / "tiny-qwen")
+        model = (
+            checkpoint_dir(args.model) if args.model else build_tiny_qwen(Path(tmp) / "tiny-qwen")
+        )
         figures = asyncio.run(vllm_figures(model, args, Path(tmp)))
         local = asyncio.run(local_figure(model, args))
     print(
