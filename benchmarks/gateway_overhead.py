@@ -39,7 +39,7 @@ from openai import AsyncOpenAI
 from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
 from rllm_async.backends.local.tokenizer import CharTokenizer
 from rllm_async.gateway import Gateway
-from rllm_async.workflows.base import RolloutContext
+from rllm_async.rollout import RolloutContext
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "guess 1-15"}]}
 

@@ -2,15 +2,14 @@
 
 from rllm_async.callbacks import Callback
 from rllm_async.config import Config, ConfigError, load_config
+from rllm_async.rollout import ChatTurn, RolloutContext
 from rllm_async.trainer import FailureRateError, NoSignalError, UnifiedTrainer
 from rllm_async.types import Episode, Step, Termination, Trajectory, TrajectoryGroup
 from rllm_async.workflows import (
-    ChatTurn,
     Env,
     EnvWorkflow,
     MultiTurnWorkflow,
     OpenAIAgentWorkflow,
-    RolloutContext,
     SingleTurnWorkflow,
     Tool,
     Workflow,

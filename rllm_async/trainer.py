@@ -29,8 +29,9 @@ from rllm_async.metrics import (
     Reduce,
     WandbSink,
 )
+from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
-from rllm_async.workflows.base import RolloutContext, Workflow
+from rllm_async.workflows.base import Workflow
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.config import Config, config_from_dict
-from rllm_async.workflows.base import RolloutContext, Workflow
+from rllm_async.rollout import RolloutContext
+from rllm_async.workflows.base import Workflow
 
 
 class ByteTokenizer:

@@ -9,7 +9,7 @@ from typing import Any
 
 from rllm_async.backends.base import Completion, PolicyClient, SamplingParams, Tokenizer
 from rllm_async.backends.local.tokenizer import CharTokenizer
-from rllm_async.workflows.base import RolloutContext
+from rllm_async.rollout import RolloutContext
 
 
 class ScriptedPolicy:

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from rllm_async.backends.local.tokenizer import CharTokenizer
+from rllm_async.rollout.chat import ChatHistory, continuation_ids
+from rllm_async.rollout.tool_calls import parse_tool_calls
 from rllm_async.vclock import run
-from rllm_async.workflows.chat import ChatHistory, continuation_ids, parse_tool_calls
 from tests.scripted import ScriptedPolicy, context
 
 CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}

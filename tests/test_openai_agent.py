@@ -9,9 +9,9 @@ import pytest
 
 from rllm_async import UnifiedTrainer
 from rllm_async.config import config_from_dict
+from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
 from rllm_async.workflows import OpenAIAgentWorkflow
-from rllm_async.workflows.base import RolloutContext
 
 openai = pytest.importorskip("openai")
 

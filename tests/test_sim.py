@@ -28,8 +28,8 @@ from rllm_async.backends.sim import (
     workload_config,
 )
 from rllm_async.config import ConfigError, LossConfig, config_from_dict
+from rllm_async.rollout import RolloutContext
 from rllm_async.types import TrajectoryGroup
-from rllm_async.workflows.base import RolloutContext
 
 
 async def _unpaused() -> None:

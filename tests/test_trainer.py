@@ -8,10 +8,11 @@ from typing import Any
 import pytest
 
 from rllm_async.coordinator import StallError, SyncTimeoutError
+from rllm_async.rollout import RolloutContext
 from rllm_async.trainer import FailureRateError, UnifiedTrainer
 from rllm_async.types import Episode
 from rllm_async.vclock import run
-from rllm_async.workflows.base import RolloutContext, Workflow
+from rllm_async.workflows.base import Workflow
 from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from rllm_async.backends.base import SamplingParams
+from rllm_async.rollout import RolloutContext
 from rllm_async.types import Step, Trajectory
 from rllm_async.vclock import run
-from rllm_async.workflows.base import RolloutContext
 from tests.fakes import FakePolicy
 
 

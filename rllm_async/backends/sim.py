@@ -27,8 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.config import Config, ConfigError, LossConfig, config_from_dict, validate_options
+from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode, TrajectoryGroup
-from rllm_async.workflows.base import RolloutContext, Workflow
+from rllm_async.workflows.base import Workflow
 
 LEN_MEDIAN = 1500.0
 LEN_SIGMA = 0.8

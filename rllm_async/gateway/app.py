@@ -9,7 +9,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rllm_async.backends.base import Completion
+from rllm_async.backends.base import Completion, PolicyClient
 from rllm_async.gateway.errors import APIError, error_response, invalid
 from rllm_async.gateway.openapi import openapi_document
 from rllm_async.gateway.protocol import (
@@ -27,12 +27,9 @@ from rllm_async.gateway.protocol import (
     OpenSessionRequest,
     SamplingFields,
 )
-from rllm_async.gateway.sessions import Session
-from rllm_async.workflows.base import ChatTemplateError, ChatTurn, ContextLengthError
-from rllm_async.workflows.chat import cut_at_stop
-
-if TYPE_CHECKING:
-    from rllm_async.gateway.server import Gateway
+from rllm_async.gateway.sessions import Session, SessionStore
+from rllm_async.rollout import ChatTemplateError, ChatTurn, ContextLengthError, RolloutContext
+from rllm_async.rollout.chat import cut_at_stop
 
 log = logging.getLogger("rllm_async.gateway")
 M = TypeVar("M", bound=BaseModel)
@@ -40,7 +37,25 @@ T = TypeVar("T")
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def build_app(gateway: Gateway) -> Starlette:
+class GatewayState(Protocol):
+    """What the handlers read of the gateway they serve (`rllm_async.gateway.server.Gateway`)."""
+
+    policy: PolicyClient
+    model: str
+    api_key: str | None
+    open_sessions: bool
+    max_body_bytes: int
+    created: int
+    sessions: SessionStore
+
+    def open_session(self, ttl_s: float | None = None) -> Session: ...
+
+    def scratch_context(self) -> RolloutContext: ...
+
+    def session_url(self, session_id: str, request: Request | None = None) -> str: ...
+
+
+def build_app(gateway: GatewayState) -> Starlette:
     """The ASGI app of `gateway`; every route answers JSON, errors included."""
     api = _API(gateway)
     v1 = [
@@ -77,7 +92,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 class _API:
     """The handlers; each one either answers or raises `APIError`."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: GatewayState) -> None:
         self.gw = gateway
 
     def endpoint(self, fn: Handler, *, auth: bool = True) -> Handler:

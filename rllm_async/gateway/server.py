@@ -17,7 +17,7 @@ from starlette.requests import Request
 from rllm_async.backends.base import PolicyClient, SamplingParams
 from rllm_async.gateway.app import build_app
 from rllm_async.gateway.sessions import Session, SessionStore
-from rllm_async.workflows.base import RolloutContext
+from rllm_async.rollout import RolloutContext
 
 log = logging.getLogger("rllm_async.gateway")
 
@@ -26,12 +26,31 @@ async def _never_paused() -> None:
     return None
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn without its signal handlers: inside a trainer, Ctrl-C belongs to the trainer."""
+class _Server(uvicorn.Server):
+    """uvicorn that resolves `ready` once it accepts connections (no polling of `started`).
+
+    `embedded` drops its signal handlers: inside a trainer, Ctrl-C belongs to the trainer.
+    """
+
+    def __init__(
+        self, config: uvicorn.Config, *, ready: asyncio.Future[None], embedded: bool
+    ) -> None:
+        super().__init__(config)
+        self._ready = ready
+        self._embedded = embedded
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        yield
+        if self._embedded:
+            yield
+        else:
+            with super().capture_signals():
+                yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and not self._ready.done():
+            self._ready.set_result(None)
 
 
 class Gateway:
@@ -128,14 +147,13 @@ class Gateway:
             lifespan="off",
             timeout_graceful_shutdown=5,
         )
-        server_cls = _EmbeddedServer if embedded else uvicorn.Server
-        self._server = server = server_cls(config)
+        ready = asyncio.get_running_loop().create_future()
+        self._server = server = _Server(config, ready=ready, embedded=embedded)
         self._task = asyncio.create_task(server.serve(sockets=[sock]), name="rllm-async:gateway")
-        while not server.started:
-            if self._task.done():
-                self._task.result()  # raises why it stopped
-                raise RuntimeError("the gateway stopped while starting")
-            await asyncio.sleep(0.01)
+        await asyncio.wait((ready, self._task), return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            self._task.result()  # raises why it stopped
+            raise RuntimeError("the gateway stopped while starting")
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         self.url = f"http://{shown}:{bound_port}"

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rllm_async.gateway.errors import APIError
+from rllm_async.rollout import RolloutContext
 from rllm_async.types import Step
-from rllm_async.workflows.base import RolloutContext
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 # ChatML, with tools listed in the system turn and calls as `<tool_call>` JSON blocks (the syntax
-# `rllm_async.workflows.chat` parses). An assistant turn renders as its text, its calls and
+# `rllm_async.rollout.tool_calls` parses). An assistant turn renders as its text, its calls and
 # `<|im_end|>`: what the model generated, so turn k+1's prompt extends turn k's tokens.
 CHAT_TEMPLATE = """\
 {%- if tools or messages[0].role == 'system' %}<|im_start|>system

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from rllm_async.rollout import ContextLengthError, RolloutContext
 from rllm_async.types import Episode, Termination
-from rllm_async.workflows.base import ContextLengthError, RolloutContext, Workflow
+from rllm_async.workflows.base import Workflow
 from rllm_async.workflows.multi_turn import load, maybe_await
 
 StepResult = tuple[str, float, bool]

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rllm_async.imports import import_object
+from rllm_async.rollout import ContextLengthError, RolloutContext
 from rllm_async.types import Episode, Termination
-from rllm_async.workflows.base import ContextLengthError, RolloutContext, Workflow
+from rllm_async.workflows.base import Workflow
 
 T = TypeVar("T")
 RewardFn = Callable[[dict[str, Any], list[dict[str, Any]]], "float | tuple[float, bool]"]

@@ -15,8 +15,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from rllm_async.backends.base import PolicyClient
+from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
-from rllm_async.workflows.base import RolloutContext, Workflow
+from rllm_async.workflows.base import Workflow
 from rllm_async.workflows.multi_turn import load, score
 
 if TYPE_CHECKING:

@@ -6,8 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 from rllm_async.imports import import_object
+from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
-from rllm_async.workflows.base import RolloutContext, Workflow
+from rllm_async.workflows.base import Workflow
 
 RewardFn = Callable[[dict[str, Any], str], "float | tuple[float, bool]"]
 

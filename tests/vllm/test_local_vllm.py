@@ -20,7 +20,7 @@ from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServer
 from rllm_async.gateway import Gateway
-from rllm_async.workflows.base import RolloutContext
+from rllm_async.rollout import RolloutContext
 
 REPO = Path(__file__).resolve().parents[2]
 RLLM = Path(sys.executable).parent / "rllm-async"

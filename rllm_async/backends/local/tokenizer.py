@@ -17,7 +17,7 @@ class CharTokenizer:
     Chat format: `<|user|>text<|end|><|assistant|>`; a reply ends with `<|end|>` (the EOS), so
     the rendered history of turn k+1 extends the exact tokens of turn k plus its completion. An
     assistant turn's tool calls follow its text as `<tool_call>{"name": ..., "arguments": ...}
-    </tool_call>` blocks (see `rllm_async.workflows.chat`).
+    </tool_call>` blocks (see `rllm_async.rollout.tool_calls`).
     """
 
     def __init__(self) -> None:

@@ -12,8 +12,9 @@ import json
 import random
 from typing import Any
 
+from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode, Termination
-from rllm_async.workflows.base import RolloutContext, Workflow
+from rllm_async.workflows.base import Workflow
 from rllm_async.workflows.multi_turn import Tool
 
 MAX_TURNS = 3

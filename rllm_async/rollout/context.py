@@ -1,0 +1,306 @@
+"""`RolloutContext`: the policy as one rollout sees it, recording every model call as a Step."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import math
+import numbers
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rllm_async.backends.base import Completion, PolicyClient, SamplingParams
+from rllm_async.rollout.chat import ChatHistory, cut_at_stop
+from rllm_async.rollout.tool_calls import parse_tool_calls, tool_names
+from rllm_async.types import Episode, Step, Termination, Trajectory
+
+
+class ContextLengthError(ValueError):
+    """A prompt leaves no room for a completion in the policy's context (`max_context_tokens`)."""
+
+
+class ChatTemplateError(ValueError):
+    """The policy's chat template refused the messages (an unknown role, an order it forbids)."""
+
+
+@dataclass(slots=True)
+class ChatTurn:
+    """One `RolloutContext.chat_turn`: the reply message, the recorded Step, and what was parsed.
+
+    `message` is an OpenAI-style assistant message (`content`, and `tool_calls` when tools were
+    given and the model called them); `tool_call_errors` names the malformed calls, which stay in
+    `content`; `extended` tells whether the prompt extended an earlier turn's exact tokens.
+    """
+
+    message: dict[str, Any]
+    step: Step
+    tool_call_errors: list[str] = field(default_factory=list)
+    extended: bool = False
+
+    @property
+    def finish_reason(self) -> str:
+        """`tool_calls`, `stop` or `length`, as in the OpenAI API."""
+        if self.message.get("tool_calls"):
+            return "tool_calls"
+        return str(self.step.info.get("finish_reason", "stop"))
+
+
+class RolloutContext:
+    """The policy as one rollout sees it: every call is recorded as a Step of the calling actor.
+
+    With `pin=True` the first call fixes the policy version for the whole episode; a `version`
+    acquired by the caller (evaluation) pins every call to it. Every call waits while the
+    coordinator has paused model calls for a weight sync (`wait_unpaused`); that wait is not
+    charged to the episode: it moves the deadline, and every `timeout()` scope with it.
+
+    Per-step rewards (`set_step_reward`) are added to the actor's outcome reward (`set_reward`, or
+    the float `run` returns) when the episode is built: the trajectory's reward, which the group
+    advantage uses, is the outcome plus the sum of its steps' rewards.
+    """
+
+    def __init__(
+        self,
+        policy: PolicyClient,
+        *,
+        sampling: SamplingParams,
+        pin: bool,
+        wait_unpaused: Callable[[], Awaitable[None]],
+        deadline: float,
+        task_id: str,
+        rollout_index: int = 0,
+        attempt: int = 0,
+        version: int | None = None,
+    ) -> None:
+        self.policy = policy
+        self.sampling = sampling
+        self._deadline = deadline
+        self._scopes: dict[asyncio.Timeout, float] = {}  # open `timeout()` scopes: their margins
+        self.task_id = task_id
+        self.rollout_index = rollout_index
+        self.attempt = attempt
+        self._pin = pin or version is not None
+        self._wait_unpaused = wait_unpaused
+        self._version = version
+        self._owns_version = False
+        self._trajectories: dict[str, Trajectory] = {}
+        self._chats: dict[str, ChatHistory] = {}
+
+    @property
+    def deadline(self) -> float:
+        """When this episode must end, on the event loop's clock; later by every sync it waited for."""
+        return self._deadline
+
+    @contextlib.asynccontextmanager
+    async def timeout(self, margin_s: float = 0.0) -> AsyncIterator[None]:
+        """A scope that raises TimeoutError `margin_s` before the deadline, and moves with it."""
+        async with asyncio.timeout_at(self._deadline - margin_s) as scope:
+            self._scopes[scope] = margin_s
+            try:
+                yield
+            finally:
+                del self._scopes[scope]
+
+    @property
+    def time_left(self) -> float:
+        """Seconds until this episode's deadline, on the event loop's clock."""
+        return self.deadline - asyncio.get_running_loop().time()
+
+    @property
+    def max_context_tokens(self) -> int | None:
+        """Prompt + completion tokens the policy fits, when its client says (`max_context_tokens`)."""
+        limit = getattr(self.policy, "max_context_tokens", None)
+        return int(limit) if isinstance(limit, int) else None
+
+    @property
+    def pinned_version(self) -> int | None:
+        return self._version
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Tokens sampled so far in this rollout, by every actor."""
+        return sum(t.num_completion_tokens for t in self._trajectories.values())
+
+    def trajectories(self) -> list[Trajectory]:
+        """Every actor's trajectory recorded so far (rewards not yet combined; see build_episode)."""
+        return list(self._trajectories.values())
+
+    def trajectory(self, actor: str = "default") -> Trajectory:
+        traj = self._trajectories.get(actor)
+        if traj is None:
+            traj = self._trajectories[actor] = Trajectory(name=actor)
+        return traj
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        *,
+        actor: str = "default",
+        messages: list[dict[str, Any]] | None = None,
+        **sampling: Any,
+    ) -> Completion:
+        """Sample a completion for exact prompt tokens and record it as a Step of `actor`."""
+        return (await self._generate(prompt_ids, actor, messages, sampling))[0]
+
+    async def _generate(
+        self,
+        prompt_ids: list[int],
+        actor: str,
+        messages: list[dict[str, Any]] | None,
+        sampling: dict[str, Any],
+    ) -> tuple[Completion, Step]:
+        limit = self.max_context_tokens
+        if limit is not None and len(prompt_ids) >= limit:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens and the policy's context is {limit}: "
+                "shorten the conversation or raise the backend's context (backend.max_seq_len)"
+            )
+        params = self.sampling.updated(**sampling)
+        await self._wait_out_sync()
+        if self._pin and self._version is None:
+            self._version = self.policy.acquire()
+            self._owns_version = True
+        out = await self.policy.generate(prompt_ids, params, version=self._version)
+        step = Step(
+            prompt_ids=list(prompt_ids),
+            completion_ids=out.ids,
+            logprobs=out.logprobs,
+            versions=out.versions,
+            messages=copy.deepcopy(messages) if messages is not None else None,
+            info={"finish_reason": out.finish_reason},
+        )
+        self.trajectory(actor).steps.append(step)
+        return out, step
+
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        actor: str = "default",
+        **sampling: Any,
+    ) -> dict[str, Any]:
+        """Render `messages` with the policy's chat template, sample, and return the reply message.
+
+        See `chat_turn`; this returns its `message`.
+        """
+        return (await self.chat_turn(messages, tools=tools, actor=actor, **sampling)).message
+
+    async def chat_turn(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        actor: str = "default",
+        **sampling: Any,
+    ) -> ChatTurn:
+        """One chat call, token-in/token-out: when `messages` continue an earlier reply of `actor`
+        (its call's messages, then the reply), the prompt is that call's exact prompt + completion
+        tokens followed by the rendering of only the new messages; otherwise the whole chat is
+        rendered. With `tools`, tool calls in the reply are parsed into OpenAI-style `tool_calls`.
+
+        The step keeps a deep copy of `messages` as they were at this call. Raises
+        `ContextLengthError` when the prompt does not fit the policy's context and
+        `ChatTemplateError` when the template cannot render the messages.
+        """
+        tok = self.policy.tokenizer
+        history = self._chats.setdefault(actor, ChatHistory())
+        try:
+            prompt_ids, extended = history.prompt(tok, messages, tools)
+        except Exception as e:  # templates raise anything, jinja2 errors included
+            raise ChatTemplateError(f"the chat template refused the messages: {e}") from e
+        out, step = await self._generate(prompt_ids, actor, messages, sampling)
+        text = cut_at_stop(tok.decode(out.ids), sampling.get("stop", self.sampling.stop))
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        errors: list[str] = []
+        if tools:
+            index = len(self.trajectory(actor).steps) - 1
+            parsed = parse_tool_calls(text, tool_names(tools), id_prefix=f"call_{actor}_{index}")
+            message["content"], errors = parsed.content, parsed.errors
+            if parsed.tool_calls:
+                message["tool_calls"] = parsed.tool_calls
+        step.info["extended"] = extended
+        history.add(messages, message, tools, step.prompt_ids, step.completion_ids)
+        return ChatTurn(copy.deepcopy(message), step, errors, extended)
+
+    async def _wait_out_sync(self) -> None:
+        """Wait while a weight sync pauses model calls, with the deadline stopped meanwhile."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self._reschedule(stopped=True)
+        try:
+            await self._wait_unpaused()
+        finally:
+            self._deadline += loop.time() - start
+            self._reschedule(stopped=False)
+
+    def _reschedule(self, *, stopped: bool) -> None:
+        for scope, margin_s in self._scopes.items():
+            if not scope.expired():
+                scope.reschedule(None if stopped else self._deadline - margin_s)
+
+    def set_reward(self, reward: float, actor: str = "default") -> None:
+        self.trajectory(actor).reward = float(reward)
+
+    def set_step_reward(self, reward: float, actor: str = "default") -> None:
+        """Reward the latest step of `actor` (per-step rewards for multi-turn workflows)."""
+        self.trajectory(actor).steps[-1].reward = float(reward)
+
+    def close(self) -> None:
+        """Release the pinned snapshot; called once by the trainer when the rollout ends."""
+        if self._owns_version and self._version is not None:
+            self.policy.release(self._version)
+            self._owns_version = False
+
+    def build_episode(self, result: Episode | float | None) -> Episode:
+        """Turn what `Workflow.run` returned into an Episode holding this context's trajectories.
+
+        A returned float is the outcome reward of the single trajectory; each of this context's
+        trajectories then gets its steps' rewards added.
+        """
+        if isinstance(result, Episode):
+            if not result.trajectories:
+                result.trajectories = self._finish_trajectories()
+            return _checked(result)
+        trajs = list(self._trajectories.values())
+        if result is not None:
+            if not isinstance(result, (int, float)):
+                raise TypeError(
+                    f"Workflow.run must return an Episode, a float or None, got {type(result).__name__}"
+                )
+            if len(trajs) > 1:
+                raise TypeError(
+                    "Workflow.run returned a float but recorded several actors; return an Episode "
+                    "or use ctx.set_reward(reward, actor=...) and return None"
+                )
+            for t in trajs:
+                t.reward = float(result)
+        trajs = self._finish_trajectories()
+        reward = sum(t.reward for t in trajs) if trajs else float(result or 0.0)
+        return _checked(
+            Episode(
+                task_id=self.task_id,
+                trajectories=trajs,
+                reward=reward,
+                termination=Termination.DONE,
+            )
+        )
+
+    def _finish_trajectories(self) -> list[Trajectory]:
+        trajs = list(self._trajectories.values())
+        for t in trajs:
+            t.reward += sum(s.reward for s in t.steps if s.reward is not None)
+        return trajs
+
+
+def _checked(episode: Episode) -> Episode:
+    """`episode`, or ValueError when its reward or a metric is not a finite number."""
+    if not math.isfinite(episode.reward):
+        raise ValueError(f"the workflow returned a non-finite reward {episode.reward}")
+    for key, value in episode.metrics.items():
+        if not (isinstance(key, str) and isinstance(value, numbers.Real) and math.isfinite(value)):
+            raise ValueError(
+                f"Episode.metrics[{key!r}] is {value!r}: report finite numbers under string keys"
+            )
+    return episode
