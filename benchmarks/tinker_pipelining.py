@@ -81,7 +81,7 @@ def _config(url: str, run_dir: Path, name: str, **over: Any) -> Config:
 
 
 def _tasks(n: int) -> list[dict[str, Any]]:
-    from rllm_async.workflows.tasks.countdown import generator
+    from rllm_async.tasks.countdown import generator
 
     return generator(n=n, seed=0)
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from rllm_async.workflows.tasks.countdown import (
+from rllm_async.tasks.countdown import (
     FORMAT_REWARD,
     generator,
     parse,

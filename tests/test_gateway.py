@@ -370,7 +370,7 @@ def test_serve_command_answers_and_stops_on_sigint(tmp_path: Path) -> None:
 
 
 def test_the_example_openai_agent_solves_a_task_through_a_session() -> None:
-    from rllm_async.workflows.tasks import calculator
+    from rllm_async.tasks import calculator
 
     [task] = calculator.generator(n=1)
     expr = task["prompt"].removesuffix("=?")

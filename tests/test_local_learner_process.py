@@ -259,13 +259,13 @@ def test_an_interrupted_run_stops_its_learner_process(tmp_path: Path) -> None:
         run_dir=str(tmp_path),
         data={
             "train": {
-                "generator": "rllm_async.workflows.tasks.countdown:generator",
+                "generator": "rllm_async.tasks.countdown:generator",
                 "args": {"n": 1000, "seed": 0},
             }
         },
         workflow={
             "cls": "rllm_async.workflows.SingleTurnWorkflow",
-            "args": {"reward_fn": "rllm_async.workflows.tasks.countdown:reward"},
+            "args": {"reward_fn": "rllm_async.tasks.countdown:reward"},
         },
         algorithm={"filter_zero_variance": False},  # an untrained model rarely scores
         train={"total_steps": 10_000, "groups_per_step": 2},

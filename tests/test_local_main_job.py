@@ -11,7 +11,7 @@ import torch
 from rllm_async.backends.local import LocalBackend
 from rllm_async.cli import main
 from rllm_async.config import config_from_dict
-from rllm_async.workflows.tasks import countdown
+from rllm_async.tasks import countdown
 
 
 def countdown_config(tmp_path, **extra) -> dict:
@@ -23,7 +23,7 @@ def countdown_config(tmp_path, **extra) -> dict:
             "model": "tiny",
             "max_seq_len": 64,
             "warm_start": {
-                "examples": "rllm_async.workflows.tasks.countdown:warm_start_examples",
+                "examples": "rllm_async.tasks.countdown:warm_start_examples",
                 "args": {"n": 64, "seed": 1},
                 "steps": 20,
                 "batch_size": 16,
@@ -32,15 +32,15 @@ def countdown_config(tmp_path, **extra) -> dict:
         },
         "workflow": {
             "cls": "rllm_async.workflows.SingleTurnWorkflow",
-            "args": {"reward_fn": "rllm_async.workflows.tasks.countdown:reward"},
+            "args": {"reward_fn": "rllm_async.tasks.countdown:reward"},
         },
         "data": {
             "train": {
-                "generator": "rllm_async.workflows.tasks.countdown:generator",
+                "generator": "rllm_async.tasks.countdown:generator",
                 "args": {"n": 64, "seed": 2},
             },
             "eval": {
-                "generator": "rllm_async.workflows.tasks.countdown:generator",
+                "generator": "rllm_async.tasks.countdown:generator",
                 "args": {"n": 16, "seed": 3},
             },
         },

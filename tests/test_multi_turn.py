@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from rllm_async.tasks import guess
 from rllm_async.types import Termination
 from rllm_async.vclock import run
 from rllm_async.workflows import EnvWorkflow, MultiTurnWorkflow, Tool
-from rllm_async.workflows.tasks import guess
 from tests.scripted import ScriptedPolicy, context
 
 
@@ -178,7 +178,7 @@ def test_example_configs_build_their_workflows_and_data() -> None:
 
 
 def test_calculator_agent_calls_the_tool_then_answers() -> None:
-    from rllm_async.workflows.tasks import calculator
+    from rllm_async.tasks import calculator
 
     def model(prompt: str) -> str:
         last = prompt.rsplit("<|end|>", 2)[-2]

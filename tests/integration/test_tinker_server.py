@@ -253,7 +253,7 @@ def cli_config(url: str, tmp_path: Path, mode: str) -> Path:
         },
         "data": {
             "train": {
-                "generator": "rllm_async.workflows.tasks.countdown:generator",
+                "generator": "rllm_async.tasks.countdown:generator",
                 "args": {"n": 64},
             }
         },

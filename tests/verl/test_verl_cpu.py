@@ -44,7 +44,7 @@ def make_config(checkpoint: Path, run_dir: Path, **sections: Any) -> Config:
             "workflow": {"args": {"reward_fn": "rewards:has_digit"}},
             "data": {
                 "train": {
-                    "generator": "rllm_async.workflows.tasks.countdown:generator",
+                    "generator": "rllm_async.tasks.countdown:generator",
                     "args": {"n": 64, "seed": 2},
                 }
             },

@@ -6,8 +6,8 @@ random inside the range fails 40% of the time. Rewards are per step: +1 for the 
 `-GUESS_COST` for every other reply, so the return rewards solving in few turns.
 
 Use it with `workflow.cls: rllm_async.workflows.EnvWorkflow`,
-`workflow.args.env: rllm_async.workflows.tasks.guess:GuessEnv` and
-`data.train.generator: rllm_async.workflows.tasks.guess:generator`.
+`workflow.args.env: rllm_async.tasks.guess:GuessEnv` and
+`data.train.generator: rllm_async.tasks.guess:generator`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Countdown: combine every given number exactly once with + - * (and parentheses) to hit a target.
 
 Small numbers and short prompts keep it learnable by a tiny character model. Use it as
-`data.train.generator: rllm_async.workflows.tasks.countdown:generator` with
-`workflow.args.reward_fn: rllm_async.workflows.tasks.countdown:reward`.
+`data.train.generator: rllm_async.tasks.countdown:generator` with
+`workflow.args.reward_fn: rllm_async.tasks.countdown:reward`.
 
 The reward parses the reply with its own tiny parser; model output is never executed.
 """
