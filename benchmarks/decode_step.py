@@ -22,7 +22,7 @@ import torch
 
 from rllm_async.backends.local.cache import CacheView, KVCache
 from rllm_async.backends.local.model import build_model, preset_config
-from rllm_async.backends.local.tokenizer import CharTokenizer
+from rllm_async.backends.toy_tokenizers import CharTokenizer
 
 MAX_BATCH, MAX_SEQ_LEN, POSITION = 128, 96, 36
 

@@ -37,7 +37,7 @@ import httpx
 from openai import AsyncOpenAI
 
 from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
-from rllm_async.backends.local.tokenizer import CharTokenizer
+from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.gateway import Gateway
 from rllm_async.rollout import RolloutContext
 

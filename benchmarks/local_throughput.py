@@ -27,7 +27,7 @@ from rllm_async.backends.local.learner import Learner
 from rllm_async.backends.local.model import build_model, frozen_copy, preset_config
 from rllm_async.backends.local.sampler import Sampler
 from rllm_async.backends.local.snapshots import WeightStore
-from rllm_async.backends.local.tokenizer import CharTokenizer
+from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import LossConfig, OptimConfig
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 

@@ -36,7 +36,7 @@ import torch
 from rllm_async.algorithms.schedule import learning_rate
 from rllm_async.backends.local.backend import LocalBackend, LocalOptions
 from rllm_async.backends.local.model import Transformer, hf_weights
-from rllm_async.backends.local.tokenizer import SPECIALS, CharTokenizer
+from rllm_async.backends.toy_tokenizers import SPECIALS, CharTokenizer
 from rllm_async.config import Config, load_config, validate_options
 from rllm_async.data import TaskSource, load_tasks
 from rllm_async.imports import import_object

@@ -4,33 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from rllm_async.backends.base import Completion, SamplingParams
+from rllm_async.backends.toy_tokenizers import ByteTokenizer
 from rllm_async.config import Config, config_from_dict
 from rllm_async.rollout import RolloutContext
 from rllm_async.workflows.base import Workflow
-
-
-class ByteTokenizer:
-    eos_token_id = 0
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(ids).decode(errors="replace")
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> list[int]:
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages))
 
 
 class FakePolicy:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from rllm_async.backends.local.tokenizer import CharTokenizer
+from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.rollout.chat import ChatHistory, continuation_ids
 from rllm_async.rollout.tool_calls import parse_tool_calls
 from rllm_async.vclock import run

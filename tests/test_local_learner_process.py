@@ -22,7 +22,7 @@ from rllm_async.backends.local import LocalBackend
 from rllm_async.backends.local import backend as backend_module
 from rllm_async.backends.local.learner_process import LearnerProcess, LearnerSpec
 from rllm_async.backends.local.model import build_model, preset_config
-from rllm_async.backends.local.tokenizer import CharTokenizer
+from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import OptimConfig
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.types import TrajectoryGroup

@@ -309,7 +309,7 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_batch() -> None:
     from rllm_async.backends.local.model import build_model, frozen_copy, preset_config
     from rllm_async.backends.local.sampler import Sampler
     from rllm_async.backends.local.snapshots import WeightStore
-    from rllm_async.backends.local.tokenizer import CharTokenizer
+    from rllm_async.backends.toy_tokenizers import CharTokenizer
 
     tok = CharTokenizer()
     model = build_model(preset_config("tiny", tok.vocab_size), seed=0)

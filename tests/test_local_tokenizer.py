@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rllm_async.backends.local.tokenizer import CharTokenizer
+from rllm_async.backends.toy_tokenizers import CharTokenizer
 
 
 def test_round_trip_and_unknown_characters() -> None:

@@ -26,6 +26,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rllm_async.backends.base import Completion, SamplingParams
+from rllm_async.backends.toy_tokenizers import ByteTokenizer
 from rllm_async.config import Config, ConfigError, LossConfig, config_from_dict, validate_options
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode, TrajectoryGroup
@@ -191,29 +192,6 @@ def synthetic_tasks(n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 # --- the policy ---
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0-255 plus an end-of-sequence id: enough for a model-free policy."""
-
-    eos_token_id = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode(errors="replace")
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
-    ) -> list[int]:
-        text = f"<tools>{json.dumps(tools)}\n" if tools else ""
-        text += "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
-        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
 
 _QUEUED, _ACTIVE, _DONE, _CANCELLED = range(4)

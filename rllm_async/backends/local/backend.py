@@ -26,8 +26,8 @@ from rllm_async.backends.local.model import (
 )
 from rllm_async.backends.local.sampler import Sampler
 from rllm_async.backends.local.snapshots import WeightStore
-from rllm_async.backends.local.tokenizer import CharTokenizer
 from rllm_async.backends.local.warm_start import WarmStartOptions, warm_start
+from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import Config, ConfigError, LossConfig, validate_options
 from rllm_async.engines.vllm import VLLMPolicy
 from rllm_async.engines.vllm.engine import VLLMEngine, VLLMOptions

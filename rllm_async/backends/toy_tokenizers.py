@@ -1,4 +1,4 @@
-"""A character tokenizer with a tiny chat format for the built-in models (no files to download)."""
+"""Tokenizers that need no files: characters for the built-in models, bytes for the simulator."""
 
 from __future__ import annotations
 
@@ -81,3 +81,26 @@ def _tool_calls(calls: Any) -> str:
             f'<tool_call>{{"name": {json.dumps(fn.get("name"))}, "arguments": {args}}}</tool_call>'
         )
     return "".join(out)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0-255 plus an end-of-sequence id: enough for a model-free policy."""
+
+    eos_token_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode(errors="replace")
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        text = f"<tools>{json.dumps(tools)}\n" if tools else ""
+        text += "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
