@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,3 +149,15 @@ class TrajectoryGroup:
     @property
     def num_completion_tokens(self) -> int:
         return sum(t.num_completion_tokens for t in self.trajectories)
+
+    def training_sequences(self) -> Iterator[tuple[TokenSequence, float]]:
+        """Every token sequence with a sampled token, in order, with its trajectory's advantage."""
+        if len(self.advantages) != len(self.trajectories):
+            raise ValueError(
+                f"group {self.task_id}/{self.name} has {len(self.trajectories)} trajectories "
+                f"but {len(self.advantages)} advantages"
+            )
+        for traj, advantage in zip(self.trajectories, self.advantages, strict=True):
+            for seq in traj.sequences():
+                if seq.num_loss_tokens > 0:
+                    yield seq, float(advantage)

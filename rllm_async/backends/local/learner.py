@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +69,7 @@ class Learner:
                 "algorithm.loss.kl_coef > 0 needs the reference model, which the local backend "
                 "builds at start-up only when the config's kl_coef is > 0"
             )
-        rows = list(_rows(groups))
+        rows = [_Row(seq, adv) for g in groups for seq, adv in g.training_sequences()]
         stats = LossStats()
         for start in range(0, len(rows), self.train_batch):
             stats.merge(self._backward(rows[start : start + self.train_batch], loss))
@@ -161,17 +160,3 @@ class Learner:
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self._device.type, dtype=self.compute_dtype)
-
-
-def _rows(groups: list[TrajectoryGroup]) -> Iterator[_Row]:
-    """Every training sequence of every trajectory, with its trajectory's advantage."""
-    for group in groups:
-        if len(group.advantages) != len(group.trajectories):
-            raise ValueError(
-                f"group {group.task_id}/{group.name} has {len(group.trajectories)} trajectories "
-                f"but {len(group.advantages)} advantages"
-            )
-        for traj, advantage in zip(group.trajectories, group.advantages, strict=True):
-            for seq in traj.sequences():
-                if seq.num_loss_tokens > 0:
-                    yield _Row(seq, float(advantage))

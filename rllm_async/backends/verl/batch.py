@@ -52,20 +52,7 @@ class Row:
 
 def rows(groups: Sequence[TrajectoryGroup]) -> list[Row]:
     """Every sequence with a sampled token in `groups`, in order."""
-    return list(_rows(groups))
-
-
-def _rows(groups: Sequence[TrajectoryGroup]) -> Iterator[Row]:
-    for group in groups:
-        if len(group.advantages) != len(group.trajectories):
-            raise ValueError(
-                f"group {group.task_id}/{group.name} has {len(group.trajectories)} trajectories "
-                f"but {len(group.advantages)} advantages"
-            )
-        for traj, advantage in zip(group.trajectories, group.advantages, strict=True):
-            for seq in traj.sequences():
-                if seq.num_loss_tokens > 0:
-                    yield Row.from_sequence(seq, float(advantage))
+    return [Row.from_sequence(seq, adv) for g in groups for seq, adv in g.training_sequences()]
 
 
 def filler_row(token: int) -> Row:
