@@ -8,7 +8,8 @@ from typing import Any, Protocol
 from rllm_async.rollout import ContextLengthError, RolloutContext
 from rllm_async.types import Episode, Termination
 from rllm_async.workflows.base import Workflow
-from rllm_async.workflows.multi_turn import load, maybe_await
+from rllm_async.workflows.callables import load, maybe_await
+from rllm_async.workflows.prompt import opening_messages
 
 StepResult = tuple[str, float, bool]
 
@@ -57,9 +58,7 @@ class EnvWorkflow(Workflow):
         termination = Termination.MAX_TURNS
         try:
             observation = await maybe_await(env.reset(task))
-            messages: list[dict[str, Any]] = [{"role": "user", "content": observation}]
-            if self.system_prompt:
-                messages.insert(0, {"role": "system", "content": self.system_prompt})
+            messages = opening_messages(observation, self.system_prompt)
             try:
                 async with ctx.timeout(self.deadline_grace_s):  # a TIMEOUT, scored and trained
                     for _ in range(self.max_turns):

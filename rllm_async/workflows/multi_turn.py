@@ -5,35 +5,17 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-from rllm_async.imports import import_object
 from rllm_async.rollout import ContextLengthError, RolloutContext
 from rllm_async.types import Episode, Termination
 from rllm_async.workflows.base import Workflow
+from rllm_async.workflows.callables import load, maybe_await, score
+from rllm_async.workflows.prompt import task_messages
 
-T = TypeVar("T")
 RewardFn = Callable[[dict[str, Any], list[dict[str, Any]]], "float | tuple[float, bool]"]
-
-
-async def maybe_await(value: T | Awaitable[T]) -> T:
-    """The value itself, or what it resolves to when it is awaitable (sync or async callables)."""
-    if inspect.isawaitable(value):
-        return await value
-    return value
-
-
-def load(obj: Any, what: str) -> Any:
-    """`obj`, or the object its import path names (config gives strings, code gives objects)."""
-    return import_object(obj, what) if isinstance(obj, str) else obj
-
-
-def score(fn: Callable[..., Any], *args: Any) -> tuple[float, bool | None]:
-    """A reward function's `reward` or `(reward, is_correct)` as a pair."""
-    out = fn(*args)
-    return (float(out[0]), bool(out[1])) if isinstance(out, tuple) else (float(out), None)
 
 
 @dataclass
@@ -116,14 +98,7 @@ class MultiTurnWorkflow(Workflow):
         self.deadline_grace_s = deadline_grace_s
 
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
-        if self.prompt_key not in task:
-            raise KeyError(
-                f"task {task.get('id')!r} has no '{self.prompt_key}' field; set "
-                "workflow.args.prompt_key to the field that holds the prompt"
-            )
-        messages: list[dict[str, Any]] = [{"role": "user", "content": str(task[self.prompt_key])}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        messages = task_messages(task, self.prompt_key, self.system_prompt)
         stats = {"turns": 0.0, "tool_calls": 0.0, "tool_errors": 0.0}
         termination = Termination.MAX_TURNS
         try:

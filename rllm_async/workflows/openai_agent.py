@@ -18,7 +18,7 @@ from rllm_async.backends.base import PolicyClient
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
 from rllm_async.workflows.base import Workflow
-from rllm_async.workflows.multi_turn import load, score
+from rllm_async.workflows.callables import load, score
 
 if TYPE_CHECKING:
     from rllm_async.gateway import Gateway

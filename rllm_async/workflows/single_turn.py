@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from rllm_async.imports import import_object
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
 from rllm_async.workflows.base import Workflow
+from rllm_async.workflows.callables import load, score
+from rllm_async.workflows.prompt import task_messages
 
 RewardFn = Callable[[dict[str, Any], str], "float | tuple[float, bool]"]
 
@@ -26,27 +27,14 @@ class SingleTurnWorkflow(Workflow):
         prompt_key: str = "prompt",
         system_prompt: str | None = None,
     ) -> None:
-        self.reward_fn: RewardFn = (
-            import_object(reward_fn, "workflow.args.reward_fn")
-            if isinstance(reward_fn, str)
-            else reward_fn
-        )
+        self.reward_fn: RewardFn = load(reward_fn, "workflow.args.reward_fn")
         self.prompt_key = prompt_key
         self.system_prompt = system_prompt
 
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
-        if self.prompt_key not in task:
-            raise KeyError(
-                f"task {task.get('id')!r} has no '{self.prompt_key}' field; set "
-                "workflow.args.prompt_key to the field that holds the prompt"
-            )
-        messages = [{"role": "user", "content": str(task[self.prompt_key])}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        reply = await ctx.chat(messages)
-        scored = self.reward_fn(task, reply["content"])
-        reward, correct = scored if isinstance(scored, tuple) else (scored, None)
-        ctx.set_reward(float(reward))
+        reply = await ctx.chat(task_messages(task, self.prompt_key, self.system_prompt))
+        reward, correct = score(self.reward_fn, task, reply["content"])
+        ctx.set_reward(reward)
         episode = ctx.build_episode(None)
         episode.is_correct = correct
         return episode
