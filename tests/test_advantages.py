@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rllm_async.algorithms.advantages import get_advantage_fn, grpo, register_advantage, rloo
+from rllm_async.algorithms.advantages import get_advantage_fn, grpo, rloo
 
 
 def test_grpo_mean_and_std() -> None:
@@ -19,11 +19,12 @@ def test_rloo_leave_one_out() -> None:
     assert rloo([5.0]) == [0.0]
 
 
-def test_registry() -> None:
-    @register_advantage("test_sign")
-    def sign(rewards, normalize_std=False):
-        return [math.copysign(1.0, r) for r in rewards]
+def sign(rewards, normalize_std=False):
+    return [math.copysign(1.0, r) for r in rewards]
 
-    assert get_advantage_fn("test_sign")([-2.0, 3.0]) == [-1.0, 1.0]
+
+def test_advantage_by_name_or_import_path() -> None:
+    assert get_advantage_fn("grpo") is grpo
+    assert get_advantage_fn("tests.test_advantages:sign")([-2.0, 3.0]) == [-1.0, 1.0]
     with pytest.raises(KeyError, match=r"unknown algorithm\.advantage 'nope'.*grpo"):
         get_advantage_fn("nope")

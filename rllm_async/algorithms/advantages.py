@@ -1,39 +1,15 @@
-"""Group-relative advantage estimators (pure Python), found by name in a small registry."""
+"""Group-relative advantage estimators (pure Python): built-ins by name, others by import path."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
 
+from rllm_async.imports import import_object
+
 AdvantageFn = Callable[[Sequence[float], bool], list[float]]
 
-_REGISTRY: dict[str, AdvantageFn] = {}
 
-
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register `fn(rewards, normalize_std) -> advantages` under `name` (`algorithm.advantage`)."""
-
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
-
-
-def get_advantage_fn(name: str) -> AdvantageFn:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown algorithm.advantage '{name}': choose one of {', '.join(sorted(_REGISTRY))}"
-        ) from None
-
-
-def advantage_names() -> list[str]:
-    return sorted(_REGISTRY)
-
-
-@register_advantage("grpo")
 def grpo(rewards: Sequence[float], normalize_std: bool = False) -> list[float]:
     """Reward minus the group mean, optionally divided by the group's (population) std."""
     n = len(rewards)
@@ -45,7 +21,6 @@ def grpo(rewards: Sequence[float], normalize_std: bool = False) -> list[float]:
     return [c / (std + 1e-6) for c in centered]
 
 
-@register_advantage("rloo")
 def rloo(rewards: Sequence[float], normalize_std: bool = False) -> list[float]:
     """Reward minus the mean of the *other* rollouts (leave-one-out baseline); needs n >= 2."""
     n = len(rewards)
@@ -57,3 +32,19 @@ def rloo(rewards: Sequence[float], normalize_std: bool = False) -> list[float]:
         return adv
     std = math.sqrt(sum(a * a for a in adv) / n)
     return [a / (std + 1e-6) for a in adv]
+
+
+BUILTIN: dict[str, AdvantageFn] = {"grpo": grpo, "rloo": rloo}
+
+
+def get_advantage_fn(name: str) -> AdvantageFn:
+    """The estimator `algorithm.advantage` names: a built-in, or an import path "pkg.mod:fn"."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" in name or "." in name:
+        fn: AdvantageFn = import_object(name, "algorithm.advantage")
+        return fn
+    raise KeyError(
+        f"unknown algorithm.advantage '{name}': choose one of {', '.join(sorted(BUILTIN))}, "
+        "or give an import path 'package.module:function'"
+    )
