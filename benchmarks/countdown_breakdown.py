@@ -22,10 +22,10 @@ from typing import Any
 
 from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local import LocalBackend
+from rllm_async.checkpoint import latest as latest_checkpoint
 from rllm_async.config import load_config
 from rllm_async.data import load_tasks
 from rllm_async.tasks import countdown
-from rllm_async.trainer import latest_checkpoint
 
 
 def kind(task: dict[str, Any]) -> str:

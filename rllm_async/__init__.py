@@ -2,8 +2,9 @@
 
 from rllm_async.callbacks import Callback
 from rllm_async.config import Config, ConfigError, load_config
+from rllm_async.health import FailureRateError, NoSignalError
 from rllm_async.rollout import ChatTurn, RolloutContext
-from rllm_async.trainer import FailureRateError, NoSignalError, UnifiedTrainer
+from rllm_async.trainer import UnifiedTrainer
 from rllm_async.types import Episode, Step, Termination, Trajectory, TrajectoryGroup
 from rllm_async.workflows import (
     Env,

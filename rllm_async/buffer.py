@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rllm_async.algorithms.advantages import AdvantageFn
-from rllm_async.coordinator import State, SyncCoordinator
+from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.types import Episode, Trajectory, TrajectoryGroup
 
 
@@ -75,6 +75,9 @@ class TrajectoryGroupBuffer:
         self.filter_unsolved = filter_unsolved
         self.capacity = capacity
         self._pending: dict[int, _Pending] = {}
+        # Dispatches opened and not yet handed out, filtered or failed, by id: the tasks a
+        # checkpoint must run again, and whose tokens are wasted if the run stops.
+        self._outstanding: dict[int, Dispatch] = {}
         self._ready: list[tuple[int, int, ReadyGroup]] = []
         self._seq = itertools.count()
         self._closed = False
@@ -85,8 +88,9 @@ class TrajectoryGroupBuffer:
     def open(self, dispatch: Dispatch) -> None:
         """Start collecting the rollouts of a just-dispatched group."""
         self._pending[dispatch.id] = _Pending(dispatch, self.group_size)
+        self._outstanding[dispatch.id] = dispatch
 
-    async def add(self, dispatch_id: int, index: int, episode: Episode | None) -> State | None:
+    async def add(self, dispatch_id: int, index: int, episode: Episode | None) -> GroupState | None:
         """Add rollout `index` of a group (None: it failed); the group's new state if it completed."""
         pending = self._pending[dispatch_id]
         if episode is None:
@@ -97,16 +101,19 @@ class TrajectoryGroupBuffer:
             return None
         del self._pending[dispatch_id]
         if len(pending.episodes) < self.min_group_size:
-            self.coordinator.move(State.IN_FLIGHT, State.FAILED)
-            return State.FAILED
+            return self._end(dispatch_id, GroupState.FAILED)
         ready = self._complete(pending)
         if ready is None:
-            self.coordinator.move(State.IN_FLIGHT, State.FILTERED)
-            return State.FILTERED
+            return self._end(dispatch_id, GroupState.FILTERED)
         await self.coordinator.wait_for(lambda: len(self._ready) < self.capacity, "buffer space")
         heapq.heappush(self._ready, (ready.min_version, next(self._seq), ready))
-        self.coordinator.move(State.IN_FLIGHT, State.BUFFERED)
-        return State.BUFFERED
+        self.coordinator.move(GroupState.IN_FLIGHT, GroupState.BUFFERED)
+        return GroupState.BUFFERED
+
+    def _end(self, dispatch_id: int, state: GroupState) -> GroupState:
+        del self._outstanding[dispatch_id]
+        self.coordinator.move(GroupState.IN_FLIGHT, state)
+        return state
 
     def _complete(self, pending: _Pending) -> ReadyGroup | None:
         """Group the survivors by actor and compute advantages; None if every group is filtered."""
@@ -144,6 +151,7 @@ class TrajectoryGroupBuffer:
         if not self._ready:
             return None
         _, _, ready = heapq.heappop(self._ready)
+        del self._outstanding[ready.dispatch.id]
         self.coordinator.notify()  # space freed
         return ready
 
@@ -157,11 +165,18 @@ class TrajectoryGroupBuffer:
         self._closed = True
         self.coordinator.notify()
 
-    def drain(self) -> list[ReadyGroup]:
-        """Remove and return everything queued (at shutdown)."""
-        out = [item for _, _, item in sorted(self._ready)]
-        self._ready.clear()
-        return out
+    def outstanding(self) -> list[Dispatch]:
+        """Dispatches not yet handed out, filtered or failed (cancelled ones included), oldest
+        first: what a checkpoint records as pending."""
+        return [self._outstanding[i] for i in sorted(self._outstanding)]
 
-    def pending_dispatches(self) -> list[Dispatch]:
-        return [p.dispatch for p in self._pending.values()]
+    def cancel(self) -> int:
+        """Cancel the groups still in flight or queued (at shutdown); returns the completion
+        tokens they generated, now wasted."""
+        coord = self.coordinator
+        for _ in range(len(self._ready)):
+            coord.move(GroupState.BUFFERED, GroupState.CANCELLED)
+        self._ready.clear()
+        for _ in range(coord.counts.in_flight):
+            coord.move(GroupState.IN_FLIGHT, GroupState.CANCELLED)
+        return sum(d.tokens for d in self._outstanding.values())

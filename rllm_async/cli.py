@@ -12,7 +12,7 @@ from rllm_async.config import ConfigError, load_config
 from rllm_async.coordinator import StallError, SyncTimeoutError
 from rllm_async.data import DataError
 from rllm_async.engines.vllm.errors import VLLMServerError
-from rllm_async.trainer import FailureRateError, NoSignalError
+from rllm_async.health import FailureRateError, NoSignalError
 
 DEFAULT_CONFIG = Path("examples/countdown/local_async.yaml")
 
@@ -70,7 +70,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from rllm_async.trainer import UnifiedTrainer, latest_checkpoint
+    from rllm_async import checkpoint
+    from rllm_async.backends import get_backend_factory
+    from rllm_async.evaluation import evaluate_checkpoint
     from rllm_async.vclock import run
 
     run_dir = Path(args.run_dir)
@@ -82,15 +84,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"{run_dir}/config.yaml has no data.eval: add one with data.eval.path=..."
         )
-    if args.checkpoint:
-        checkpoint: Path | None = Path(args.checkpoint)
-    else:
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            raise ConfigError(f"{run_dir} has no complete checkpoint under checkpoints/")
-    trainer = UnifiedTrainer(config)
-    metrics = run(trainer.evaluate_checkpoint(checkpoint), virtual=trainer.virtual_clock)
-    print(json.dumps({"checkpoint": str(checkpoint), **metrics}))
+    path = checkpoint.resolve(Path(args.checkpoint) if args.checkpoint else run_dir, "--checkpoint")
+    factory = get_backend_factory(config.backend.name)
+    metrics = run(
+        evaluate_checkpoint(config, path, factory.from_config(config)),
+        virtual=bool(getattr(factory, "virtual_clock", False)),
+    )
+    print(json.dumps({"checkpoint": str(path), **metrics}))
     return 0
 
 
@@ -98,26 +98,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
+    from rllm_async import checkpoint
     from rllm_async.gateway.serve import serve
-    from rllm_async.trainer import latest_checkpoint
 
     path, overrides = _split_args(args.rest)
-    checkpoint = Path(args.checkpoint) if args.checkpoint else None
-    if checkpoint is not None and (checkpoint / "config.yaml").exists():  # a run directory
-        path = path or str(checkpoint / "config.yaml")
-        checkpoint = latest_checkpoint(checkpoint)
-        if checkpoint is None:
-            raise ConfigError(f"{args.checkpoint} has no complete checkpoint under checkpoints/")
-    if checkpoint is not None and not (checkpoint / "trainer_state.json").exists():
-        raise ConfigError(
-            f"--checkpoint {checkpoint}: not a checkpoint directory (no trainer_state.json); "
-            "give runs/<name> or runs/<name>/checkpoints/step_<N>"
-        )
+    found: Path | None = None
+    if args.checkpoint:
+        given = Path(args.checkpoint)
+        if (given / "config.yaml").exists():  # a run directory: its config unless one is given
+            path = path or str(given / "config.yaml")
+        found = checkpoint.resolve(given, "--checkpoint")
     config = load_config(path, overrides)
     asyncio.run(
         serve(
             config,
-            checkpoint=checkpoint,
+            checkpoint=found,
             host=args.host,
             port=args.port,
             api_key=args.api_key or os.environ.get("RLLM_ASYNC_API_KEY") or None,

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from rllm_async.config import CoordinatorConfig
 
 
-class State(enum.Enum):
+class GroupState(enum.Enum):
     """Where a dispatched group is. Every group is in exactly one state."""
 
     IN_FLIGHT = "in_flight"
@@ -23,8 +23,13 @@ class State(enum.Enum):
 
 
 _MOVES = {
-    State.IN_FLIGHT: {State.BUFFERED, State.FILTERED, State.FAILED, State.CANCELLED},
-    State.BUFFERED: {State.CONSUMED, State.DROPPED_STALE, State.CANCELLED},
+    GroupState.IN_FLIGHT: {
+        GroupState.BUFFERED,
+        GroupState.FILTERED,
+        GroupState.FAILED,
+        GroupState.CANCELLED,
+    },
+    GroupState.BUFFERED: {GroupState.CONSUMED, GroupState.DROPPED_STALE, GroupState.CANCELLED},
 }
 
 
@@ -143,7 +148,7 @@ class SyncCoordinator:
 
     # -- group life cycle ---------------------------------------------------------------------
 
-    def move(self, src: State, dst: State, *, requeued: bool = False) -> None:
+    def move(self, src: GroupState, dst: GroupState, *, requeued: bool = False) -> None:
         """Move one group from `src` to `dst`; checks the conservation invariant."""
         if dst not in _MOVES.get(src, ()):
             raise RuntimeError(f"illegal group transition {src.value} -> {dst.value}")
@@ -154,6 +159,13 @@ class SyncCoordinator:
         setattr(c, dst.value, getattr(c, dst.value) + 1)
         self.requeued += requeued
         self._event(dst.value)
+
+    def restore(self, version: int) -> None:
+        """Resume at `version`: the groups consumed before it count toward admission as in the
+        original run, and nothing is in flight."""
+        self.version = version
+        self.counts.dispatched = self.counts.consumed = version * self.groups_per_step
+        self.notify()
 
     def staleness(self, min_version: int) -> int:
         return self.version - min_version
@@ -222,6 +234,11 @@ class SyncCoordinator:
     def rollout_finished(self) -> None:
         assert self._rollouts is not None
         self._rollouts.change(asyncio.get_running_loop().time(), -1)
+
+    @property
+    def rollouts_running(self) -> int:
+        """Rollouts started and not finished."""
+        return 0 if self._rollouts is None else self._rollouts.active
 
     def take_generation_idle(self) -> float:
         """Seconds with no rollout running (or generation paused) since the last call."""

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
-import logging
-import os
-import shutil
-from collections import deque
 from pathlib import Path
 from typing import Any, get_args
 
+from rllm_async import checkpoint
 from rllm_async.algorithms.advantages import get_advantage_fn
 from rllm_async.backends import get_backend_factory
 from rllm_async.backends.base import Backend, SamplingParams
 from rllm_async.buffer import Dispatch, ReadyGroup, TrajectoryGroupBuffer
 from rllm_async.callbacks import Callback
+from rllm_async.checkpoint import CheckpointState
 from rllm_async.config import Config, ConfigError
-from rllm_async.coordinator import State, SyncCoordinator
+from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.data import TaskSource, load_tasks
-from rllm_async.imports import import_object
+from rllm_async.evaluation import EvalSchedule, Evaluator
+from rllm_async.health import FailureRateBreaker, NoSignalGuard
 from rllm_async.metrics import (
     JsonlSink,
     MetricsAggregator,
@@ -29,33 +27,9 @@ from rllm_async.metrics import (
     Reduce,
     WandbSink,
 )
-from rllm_async.rollout import RolloutContext
-from rllm_async.types import Episode
+from rllm_async.runner import build_workflow, run_rollout
+from rllm_async.step_record import EVALUATION, FORWARD_BACKWARD, OPTIM_STEP, StepRecord
 from rllm_async.workflows.base import Workflow
-
-log = logging.getLogger(__name__)
-
-_BREAKER_MIN_ROLLOUTS = 32
-# Filtered groups in a row, in steps' worth, that make the run warn that it learns nothing.
-_NO_SIGNAL_WARNING_STEPS = 3
-# Group outcomes counted per record, as the change since the previous record.
-_GROUP_COUNTS = (
-    "dispatched",
-    "consumed",
-    "filtered",
-    "failed",
-    "dropped_stale",
-    "cancelled",
-    "requeued",
-)
-
-
-class FailureRateError(RuntimeError):
-    """Too many rollouts failed recently (`rollout.max_failure_rate`); the run stops."""
-
-
-class NoSignalError(RuntimeError):
-    """`algorithm.no_signal_steps` steps' worth of groups in a row were filtered: nothing is learned."""
 
 
 class UnifiedTrainer:
@@ -85,7 +59,7 @@ class UnifiedTrainer:
             raise ConfigError(str(e.args[0])) from None
         self.train_tasks = train_tasks if train_tasks is not None else self._load("train")
         self.eval_tasks = eval_tasks if eval_tasks is not None else self._load("eval")
-        self.workflow = workflow if workflow is not None else _build_workflow(config)
+        self.workflow = workflow if workflow is not None else build_workflow(config)
         for key, reduce in self.workflow.metric_reductions.items():
             if reduce not in get_args(Reduce):
                 raise ConfigError(
@@ -102,6 +76,7 @@ class UnifiedTrainer:
         self.coordinator = SyncCoordinator(
             config.coordinator, config.train.groups_per_step, backend.on_policy_updated
         )
+        self.evaluator = Evaluator(config, self.workflow, self.eval_tasks, self.callbacks)
         self.records: list[dict[str, float]] = []
 
     def _load(self, split: str) -> list[dict[str, Any]]:
@@ -115,8 +90,6 @@ class UnifiedTrainer:
             return []
         return load_tasks(spec, split)
 
-    # -- entry points -------------------------------------------------------------------------
-
     def run(self) -> list[dict[str, float]]:
         """Run `fit()` to completion on a fresh event loop (a virtual clock for simulators)."""
         from rllm_async.vclock import run
@@ -125,28 +98,27 @@ class UnifiedTrainer:
 
     async def fit(self) -> list[dict[str, float]]:
         """Train until `train.total_steps` (or the end of the data); returns the step records."""
-        self._setup()
+        fit = _Fit(self)
         try:
-            if self._resume_from is not None:
-                await self._resume(*self._resume_from)
-            for cb in self.callbacks:
-                cb.on_train_start(self.coordinator.version)
-            if self.config.eval.at_start and self.eval_tasks and self.coordinator.version == 0:
-                await self._evaluate_at_start()
+            await fit.start()
             async with asyncio.TaskGroup() as scope:
-                generation = scope.create_task(self._generate(), name="rllm-async:generation")
-                scope.create_task(self._train(generation), name="rllm-async:training")
+                generation = scope.create_task(fit.generate(), name="rllm-async:generation")
+                scope.create_task(fit.train(generation), name="rllm-async:training")
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
         finally:
-            await self._teardown()
+            await fit.close()
         return self.records
 
-    # -- setup and teardown -------------------------------------------------------------------
 
-    def _setup(self) -> None:
-        cfg = self.config
-        loop = asyncio.get_running_loop()
+class _Fit:
+    """One call of `fit()`: the generation and training loops, and the state that lives as long
+    as they do (the buffer, the data's position, the guards, the step record)."""
+
+    def __init__(self, trainer: UnifiedTrainer) -> None:
+        cfg = self.config = trainer.config
+        self.workflow, self.backend = trainer.workflow, trainer.backend
+        self.coordinator, self.callbacks = trainer.coordinator, trainer.callbacks
         self.run_path = cfg.run_path
         self.run_path.mkdir(parents=True, exist_ok=True)
         _write_config(cfg, self.run_path / "config.yaml")
@@ -154,14 +126,14 @@ class UnifiedTrainer:
             self.coordinator,
             group_size=cfg.rollout.group_size,
             min_group_size=cfg.rollout.min_group_size,
-            advantage_fn=self.advantage_fn,
+            advantage_fn=trainer.advantage_fn,
             normalize_std=cfg.algorithm.normalize_std,
             filter_zero_variance=cfg.algorithm.filter_zero_variance,
             filter_unsolved=cfg.algorithm.filter_unsolved,
             capacity=(cfg.coordinator.pipeline_depth + 1) * cfg.train.groups_per_step,
         )
         self.source = TaskSource(
-            self.train_tasks,
+            trainer.train_tasks,
             seed=cfg.seed,
             shuffle=cfg.data.train.shuffle if cfg.data.train is not None else True,
             total_epochs=cfg.train.total_epochs,
@@ -175,23 +147,22 @@ class UnifiedTrainer:
             top_p=cfg.rollout.top_p,
             max_tokens=cfg.rollout.max_tokens,
         )
-        self._pin = cfg.coordinator.weight_update == "pin"
-        self._slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
-        self._dispatch_ids = itertools.count()
-        self._outstanding: dict[int, Dispatch] = {}
-        self._outcomes: deque[bool] = deque(maxlen=cfg.rollout.failure_window)
-        self._failures_in_window = 0
-        self._filtered_in_a_row = 0
-        self._last_error = ""
-        self._checkpointed = -1
-        self._eval_task: asyncio.Task[dict[str, float]] | None = None
-        self._evaluated_version = -1
-        self._resume_from = self._find_resume_checkpoint()
-        self.metrics = MetricsAggregator(self._sinks())
-        self._fit_start = self._step_start = loop.time()
-        self._step_counts = self.coordinator.snapshot()
-        self._step_episodes = 0
-        self._step_tokens = 0
+        self.slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
+        self.dispatch_ids = itertools.count()
+        self.breaker = FailureRateBreaker(cfg)
+        self.no_signal = NoSignalGuard(cfg)
+        self.evals = EvalSchedule(
+            trainer.evaluator, cfg, self.policy, self.coordinator.wait_unpaused
+        )
+        self.resume_from = checkpoint.resume_path(cfg.checkpoint.resume, self.run_path)
+        initial = checkpoint.read_state(self.resume_from).version if self.resume_from else 0
+        self.record = StepRecord(
+            MetricsAggregator(_sinks(cfg, initial)),
+            trainer.records,
+            self.coordinator.snapshot(),
+            asyncio.get_running_loop().time(),
+        )
+        self.checkpointed = -1
 
     def _epoch_started(self, epoch: int) -> None:
         for cb in self.callbacks:
@@ -201,27 +172,33 @@ class UnifiedTrainer:
         for cb in self.callbacks:
             cb.on_epoch_end(epoch)
 
-    def _sinks(self) -> list[MetricsSink]:
-        cfg = self.config
-        sinks: list[MetricsSink] = []
-        if cfg.logging.jsonl:
-            sinks.append(JsonlSink(self.run_path / "metrics.jsonl"))
-        if cfg.logging.progress_bar:
-            initial = self._resume_from[1]["version"] if self._resume_from else 0
-            sinks.append(ProgressBarSink(cfg.train.total_steps, initial=initial, desc=cfg.name))
-        if cfg.logging.wandb.enabled:
-            w = cfg.logging.wandb
-            config = cfg.model_dump(mode="json")
-            sinks.append(WandbSink(w.project, cfg.name, w.entity, w.mode, config, self.run_path))
-        return sinks
+    async def start(self) -> None:
+        """Start the workflow, resume from a checkpoint, and score the starting policy if asked
+        (a record of step 0, outside the timed run)."""
+        coord, loop = self.coordinator, asyncio.get_running_loop()
+        await self.workflow.start()
+        if self.resume_from is not None:
+            state = await checkpoint.load(self.resume_from, self.backend)
+            self.source.load_state(state.source)
+            coord.restore(state.version)
+            self.record.next_step(loop.time(), coord.snapshot())
+        for cb in self.callbacks:
+            cb.on_train_start(coord.version)
+        if self.config.eval.at_start and self.evals.enabled and coord.version == 0:
+            self.record.add(await self.evals.evaluate(), EVALUATION)
+            self.record.add({"time/elapsed_s": 0.0})  # the run's clock starts after it
+            self.record.flush(0)
+            self.record.restart_clock(loop.time())
 
-    async def _teardown(self) -> None:
+    async def close(self) -> None:
+        """Cancel what still runs, record what ended since the last record, close the sinks, the
+        workflow and the backend; the callbacks hear of the end."""
         coord = self.coordinator
         self._cancel_outstanding()
         # A run that ended early (an error, an interrupt): what ended since its last record.
-        if self._record_group_counts(coord.snapshot()):
-            self._flush_extra_record(coord.version)
-        self.metrics.close()
+        if self._count_groups(coord.snapshot()):
+            self.record.flush_extra(coord.version, asyncio.get_running_loop().time())
+        self.record.close()
         try:
             try:
                 await asyncio.wait_for(self.workflow.close(), timeout=30)
@@ -233,7 +210,7 @@ class UnifiedTrainer:
 
     # -- generation ----------------------------------------------------------------------------
 
-    async def _generate(self) -> None:
+    async def generate(self) -> None:
         """Dispatch tasks as admission allows, fire and forget; close the buffer at the data's end."""
         coord, source = self.coordinator, self.source
         async with asyncio.TaskGroup() as rollouts:
@@ -249,8 +226,7 @@ class UnifiedTrainer:
                         continue
                     break
                 coord.dispatch()
-                dispatch = Dispatch(next(self._dispatch_ids), task, task["id"], coord.version)
-                self._outstanding[dispatch.id] = dispatch
+                dispatch = Dispatch(next(self.dispatch_ids), task, task["id"], coord.version)
                 self.buffer.open(dispatch)
                 for index in range(self.config.rollout.group_size):
                     rollouts.create_task(self._rollout(dispatch, index))
@@ -259,176 +235,64 @@ class UnifiedTrainer:
         self.buffer.close()
 
     async def _rollout(self, dispatch: Dispatch, index: int) -> None:
-        async with self._slots:
+        """One rollout of a dispatched group, into the buffer; the group's end when it completes."""
+        ro, record = self.config.rollout, self.record
+        async with self.slots:
             self.coordinator.rollout_started()
             try:
-                episode = await self._attempts(dispatch, index)
+                rollout = await run_rollout(
+                    self.workflow,
+                    dispatch.task,
+                    self.policy,
+                    sampling=self.sampling,
+                    pin=self.config.coordinator.weight_update == "pin",
+                    timeout_s=ro.timeout_s,
+                    retries=ro.retries,
+                    wait_unpaused=self.coordinator.wait_unpaused,
+                    report=record.add_generation,
+                    rollout_index=index,
+                )
             finally:
                 self.coordinator.rollout_finished()
-        self._record_outcome(episode)
-        state = await self.buffer.add(dispatch.id, index, episode)
-        if state is None:
-            return
-        self._record_solved(dispatch)
-        solved = dispatch.correct == self.config.rollout.group_size
-        self.source.group_ended(dispatch.task, solved=solved)
-        if state in (State.FILTERED, State.FAILED):
-            del self._outstanding[dispatch.id]
-            self.metrics.record("tokens/wasted", dispatch.tokens, "sum")
-        self._check_signal(state)
-
-    async def _attempts(self, dispatch: Dispatch, index: int) -> Episode | None:
-        """Run one rollout with its deadline, retrying failures; None when every attempt failed."""
-        ro, loop, m = self.config.rollout, asyncio.get_running_loop(), self.metrics
-        for attempt in range(ro.retries + 1):
-            if attempt:
-                m.record("rollout/retries", 1, "sum")
-            ctx = RolloutContext(
-                self.policy,
-                sampling=self.sampling,
-                pin=self._pin,
-                wait_unpaused=self.coordinator.wait_unpaused,
-                deadline=loop.time() + ro.timeout_s,
-                task_id=dispatch.task_id,
-                rollout_index=index,
-                attempt=attempt,
-            )
-            try:
-                async with ctx.timeout():
-                    result = await self.workflow.run(dispatch.task, ctx)
-                episode = ctx.build_episode(result)
-            except TimeoutError:
-                m.record("rollout/timeouts", 1, "sum")
-                self._last_error = f"rollout timed out after rollout.timeout_s={ro.timeout_s}s"
-                self._count_tokens(ctx.num_completion_tokens, wasted=True)
-                continue
-            except Exception as e:
-                m.record("rollout/errors", 1, "sum")
-                self._last_error = f"{type(e).__name__}: {e}"
-                self._count_tokens(ctx.num_completion_tokens, wasted=True)
-                continue
-            finally:
-                ctx.close()
-            episode.task_id = dispatch.task_id
-            m.record("rollout/reward/mean", episode.reward)
-            tokens = episode.num_completion_tokens
-            m.record("episode/completion_tokens", tokens)
-            self._record_episode_metrics(m, "episode/", episode)
-            dispatch.tokens += tokens
+        episode = rollout.episode
+        if episode is None:
+            record.add({"rollout/failures": 1})
+        else:
+            record.add_episode(episode, self.workflow.metric_reductions)
+            dispatch.tokens += episode.num_completion_tokens
             if episode.is_correct is not None:
                 dispatch.judged += 1
                 dispatch.correct += episode.is_correct
-            self._count_tokens(tokens, wasted=False)
-            self._step_episodes += 1
-            return episode
-        m.record("rollout/failures", 1, "sum")
-        return None
-
-    def _record_episode_metrics(self, m: MetricsAggregator, prefix: str, episode: Episode) -> None:
-        """An episode's own metrics, reduced as its workflow declares (mean by default)."""
-        reductions = self.workflow.metric_reductions
-        for key, value in episode.metrics.items():
-            m.record(prefix + key, value, reductions.get(key, "mean"))
-
-    def _record_solved(self, dispatch: Dispatch) -> None:
-        """Count a completed group whose rollouts were all judged as solved by all or by none: the
-        groups that teach nothing, by kind, whether or not they are filtered."""
-        n = self.config.rollout.group_size
-        if dispatch.judged == n:
-            self.metrics.record("groups/solve_all", float(dispatch.correct == n), "sum")
-            self.metrics.record("groups/solve_none", float(dispatch.correct == 0), "sum")
-
-    def _check_signal(self, state: State) -> None:
-        """Warn when the groups of a few steps in a row were all filtered, and stop the run when
-        `algorithm.no_signal_steps` steps' worth were: no step can be taken on them."""
-        if state is not State.FILTERED:
-            self._filtered_in_a_row = 0
+        self.breaker.observe(episode is None, rollout.last_error)
+        state = await self.buffer.add(dispatch.id, index, episode)
+        if state is None:
             return
-        self._filtered_in_a_row += 1
-        n, per_step = self._filtered_in_a_row, self.config.train.groups_per_step
-        limit = self.config.algorithm.no_signal_steps
-        if limit is not None and n >= limit * per_step:
-            raise NoSignalError(
-                f"{self._no_signal_reason()}; stopped at algorithm.no_signal_steps={limit} "
-                "steps' worth of them"
-            )
-        if n == _NO_SIGNAL_WARNING_STEPS * per_step:
-            stop = (
-                f"the run stops at {limit * per_step} in a row (algorithm.no_signal_steps={limit})"
-                if limit is not None
-                else "algorithm.no_signal_steps is null, so the run goes on"
-            )
-            log.warning(f"{self._no_signal_reason()}; {stop}", extra={"status": "no signal"})
-
-    def _no_signal_reason(self) -> str:
-        """Why the last groups were all filtered, and the knobs that change it."""
-        algorithm = self.config.algorithm
-        why, flags = "had equal rewards within the group", ["filter_zero_variance"]
-        if algorithm.filter_unsolved:
-            why += " or no correct rollout"
-            flags.append("filter_unsolved")
-        return (
-            f"the last {self._filtered_in_a_row} groups all {why} and were filtered, so there is "
-            "nothing to learn from: the policy always fails (or always succeeds). Warm-start the "
-            "policy, make the task easier or the reward denser, or set "
-            + " or ".join(f"algorithm.{flag}=false" for flag in flags)
-        )
-
-    def _count_tokens(self, tokens: int, *, wasted: bool) -> None:
-        self._step_tokens += tokens
-        self.metrics.record("tokens/generated", tokens, "sum")
-        if wasted:
-            self.metrics.record("tokens/wasted", tokens, "sum")
-
-    def _record_outcome(self, episode: Episode | None) -> None:
-        """The failure-rate circuit breaker over the last `rollout.failure_window` rollouts."""
-        failed = episode is None
-        if len(self._outcomes) == self._outcomes.maxlen:
-            self._failures_in_window -= self._outcomes[0]
-        self._outcomes.append(failed)
-        self._failures_in_window += failed
-        n = len(self._outcomes)
-        if n < min(self.config.rollout.failure_window, _BREAKER_MIN_ROLLOUTS):
-            return
-        rate = self._failures_in_window / n
-        if rate > self.config.rollout.max_failure_rate:
-            raise FailureRateError(
-                f"{rate:.0%} of the last {n} rollouts failed (rollout.max_failure_rate="
-                f"{self.config.rollout.max_failure_rate}); last error: {self._last_error}. Fix the "
-                "workflow, or raise rollout.timeout_s / rollout.retries / rollout.max_failure_rate"
-            )
+        record.add(_solved(dispatch, ro.group_size))
+        self.source.group_ended(dispatch.task, solved=dispatch.correct == ro.group_size)
+        if state in (GroupState.FILTERED, GroupState.FAILED):
+            record.add({"tokens/wasted": dispatch.tokens})
+        self.no_signal.observe(state)
 
     # -- training ------------------------------------------------------------------------------
 
-    async def _train(self, generation: asyncio.Task[None]) -> None:
-        self._generation = generation
+    async def train(self, generation: asyncio.Task[None]) -> None:
+        """Take optimizer steps until `train.total_steps` or the end of the data."""
         try:
-            # Evaluations run beside training (see `_after_step`); this scope owns them.
-            async with asyncio.TaskGroup() as self._eval_scope:
+            # Evaluations run beside training (see EvalSchedule); this scope owns them.
+            async with asyncio.TaskGroup() as evals:
                 while self.coordinator.version < self.config.train.total_steps:
-                    if not await self._train_step():
+                    num_groups = await self._train_step()
+                    if not num_groups:
                         await self._close_after_data_end()
                         break
+                    await self._after_step(num_groups, generation, evals)
         finally:
             generation.cancel()
 
-    async def _close_after_data_end(self) -> None:
-        """The data ran out after the last step's record was written: groups that ended since
-        (filtered or failed), draws skipped since and an evaluation still running get one more
-        record of that step, the final evaluation another; then the final checkpoint."""
-        cfg, version = self.config, self.coordinator.version
-        groups_ended = self._record_group_counts(self.coordinator.snapshot())
-        if await self._collect_eval(wait=True) or groups_ended:
-            self._flush_extra_record(version)
-        if cfg.eval.at_end and self.eval_tasks and self._evaluated_version != version:
-            self.metrics.record_many(await self.evaluate(), "last")
-            self._flush_extra_record(version)
-        if cfg.checkpoint.at_end and self._checkpointed != version:
-            await self.save_checkpoint()
-
-    async def _train_step(self) -> bool:
-        """Consume one step's groups, streaming micro-batches; False when the data ran out."""
-        cfg, coord, m = self.config, self.coordinator, self.metrics
+    async def _train_step(self) -> int:
+        """Consume one step's groups, streaming micro-batches into `forward_backward`, then step the
+        optimizer and sync the weights; the number of groups trained, 0 when the data ran out."""
+        cfg, coord, record = self.config, self.coordinator, self.record
         loop = asyncio.get_running_loop()
         batch: list[ReadyGroup] = []
         micro: list[ReadyGroup] = []
@@ -439,318 +303,153 @@ class UnifiedTrainer:
             idle += loop.time() - t0
             if ready is None:
                 break
-            del self._outstanding[ready.dispatch.id]
             if coord.too_stale(ready.min_version):
                 requeue = cfg.coordinator.stale_policy == "requeue"
-                coord.move(State.BUFFERED, State.DROPPED_STALE, requeued=requeue)
-                m.record("tokens/wasted", ready.dispatch.tokens, "sum")
+                coord.move(GroupState.BUFFERED, GroupState.DROPPED_STALE, requeued=requeue)
+                record.add({"tokens/wasted": ready.dispatch.tokens})
                 if requeue:
                     self.source.requeue(ready.dispatch.task)
                 continue
-            coord.move(State.BUFFERED, State.CONSUMED)
-            for episode in ready.episodes:
-                m.record("reward/mean", episode.reward)
-                if episode.is_correct is not None:
-                    m.record("episode/correct", float(episode.is_correct))
-            staleness = coord.staleness(ready.min_version)
-            m.record("staleness/mean", staleness)
-            m.record("staleness/max", staleness, "max")
+            coord.move(GroupState.BUFFERED, GroupState.CONSUMED)
+            for metrics in _consumed(ready, coord.staleness(ready.min_version)):
+                record.add(metrics)
             batch.append(ready)
             micro.append(ready)
             if len(micro) == cfg.train.micro_batch_groups:
                 await self._forward_backward(micro)
                 micro = []
         if not batch:
-            return False
+            return 0
         if micro:
             await self._forward_backward(micro)
         t0 = loop.time()
-        m.record_many(await self.backend.optim_step(), "last")
-        m.record("time/optim_step_s", loop.time() - t0, "sum")
+        record.add(await self.backend.optim_step(), OPTIM_STEP)
+        record.add({"time/optim_step_s": loop.time() - t0})
         hook_s, sync_s = await coord.update_policy(coord.version + 1)
-        m.record("time/sync_s", sync_s, "sum")
-        m.record("time/sync_overhead_s", sync_s - hook_s, "sum")
-        m.record("async/trainer_idle_s", idle, "sum")
-        await self._after_step(len(batch))
-        return True
+        record.add(
+            {
+                "time/sync_s": sync_s,
+                "time/sync_overhead_s": sync_s - hook_s,
+                "async/trainer_idle_s": idle,
+            }
+        )
+        return len(batch)
 
     async def _forward_backward(self, micro: list[ReadyGroup]) -> None:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         groups = [g for ready in micro for g in ready.groups]
-        out = await self.backend.forward_backward(groups, self.config.algorithm.loss)
-        self.metrics.record_many(out, "mean")
-        self.metrics.record("time/forward_backward_s", loop.time() - t0, "sum")
+        self.record.add(
+            await self.backend.forward_backward(groups, self.config.algorithm.loss),
+            FORWARD_BACKWARD,
+        )
+        self.record.add({"time/forward_backward_s": loop.time() - t0})
 
-    async def _after_step(self, num_groups: int) -> None:
-        """Close the step: its record, then evaluation and checkpoint when due."""
-        cfg, coord, m = self.config, self.coordinator, self.metrics
+    async def _after_step(
+        self, num_groups: int, generation: asyncio.Task[None], evals: asyncio.TaskGroup
+    ) -> None:
+        """Close the step: its record (with the evaluations due or finished), then the checkpoint
+        when due. After the last step, generation stops first, so the record counts every group."""
+        cfg, coord, record = self.config, self.coordinator, self.record
         loop = asyncio.get_running_loop()
         step = coord.version
         last = step >= cfg.train.total_steps or self.buffer.finished
         if last:
-            await self._stop_generation()
-        now = loop.time()
-        step_s = max(now - self._step_start, 1e-12)
+            generation.cancel()
+            await asyncio.wait([generation])
+            self._cancel_outstanding()
         counts = coord.snapshot()
-        self._record_group_counts(counts)
-        m.record("groups/in_flight", counts["in_flight"], "last")
-        m.record("groups/buffered", counts["buffered"], "last")
-        m.record("policy_version", step, "last")
-        m.record("time/step_s", step_s, "last")
-        m.record("time/elapsed_s", now - self._fit_start, "last")
-        m.record(
-            "async/trainer_idle_ratio", (m.peek("async/trainer_idle_s") or 0.0) / step_s, "last"
-        )
-        m.record("async/generation_idle_ratio", coord.take_generation_idle() / step_s, "last")
-        m.record("episodes/per_s", self._step_episodes / step_s, "last")
-        m.record("tokens/per_s", self._step_tokens / step_s, "last")
-        m.record("data/epoch", self.source.epoch, "last")
-        m.record("train/groups", num_groups, "last")
-        if self.eval_tasks:
-            await self._evaluate_after_step(step)
-        record = m.flush(step)
-        self.records.append(record)
+        self._count_groups(counts)
+        record.add(record.step_metrics(counts, loop.time(), coord.take_generation_idle()))
+        record.add({"data/epoch": self.source.epoch, "train/groups": num_groups})
+        record.add(await self.evals.after_step(step, evals), EVALUATION)
+        flushed = record.flush(step)
         for cb in self.callbacks:
-            cb.on_step_end(step, record)
+            cb.on_step_end(step, flushed)
         ck = cfg.checkpoint
         if (ck.every_steps and step % ck.every_steps == 0) or (last and ck.at_end):
-            await self.save_checkpoint()
-        self._step_start = loop.time()
-        self._step_episodes = self._step_tokens = 0
+            await self._save_checkpoint()
+        record.next_step(loop.time())
 
-    async def _stop_generation(self) -> None:
-        """Stop dispatching and cancel the rollouts still running, so that the last step's record
-        counts every group generated."""
-        self._generation.cancel()
-        await asyncio.wait([self._generation])
-        self._cancel_outstanding()
+    async def _close_after_data_end(self) -> None:
+        """The data ran out after the last step's record was written: groups that ended since
+        (filtered or failed), draws skipped since and an evaluation still running get one more
+        record of that step, the final evaluation another; then the final checkpoint."""
+        cfg, version, record = self.config, self.coordinator.version, self.record
+        loop = asyncio.get_running_loop()
+        groups_ended = self._count_groups(self.coordinator.snapshot())
+        finished = await self.evals.collect(wait=True)
+        if finished is not None:
+            record.add(finished, EVALUATION)
+        if finished is not None or groups_ended:
+            record.flush_extra(version, loop.time())
+        if cfg.eval.at_end and self.evals.enabled and self.evals.evaluated_version != version:
+            record.add(await self.evals.evaluate(), EVALUATION)
+            record.flush_extra(version, loop.time())
+        if cfg.checkpoint.at_end and self.checkpointed != version:
+            await self._save_checkpoint()
 
     def _cancel_outstanding(self) -> None:
         """Cancel the groups still in flight or buffered; the tokens they generated are wasted."""
-        coord = self.coordinator
-        if not coord.outstanding:
-            return
-        for _ in self.buffer.drain():
-            coord.move(State.BUFFERED, State.CANCELLED)
-        for _ in range(coord.counts.in_flight):
-            coord.move(State.IN_FLIGHT, State.CANCELLED)
-        wasted = sum(d.tokens for d in self._outstanding.values())
-        self.metrics.record("tokens/wasted", wasted, "sum")
+        if self.coordinator.outstanding:
+            self.record.add({"tokens/wasted": self.buffer.cancel()})
 
-    def _record_group_counts(self, counts: dict[str, int]) -> bool:
+    def _count_groups(self, counts: dict[str, int]) -> bool:
         """Record how many groups ended each way, and how many draws were skipped as solved,
         since the last record; False if none did and none was."""
-        changes = {key: counts[key] - self._step_counts[key] for key in _GROUP_COUNTS}
-        for key, n in changes.items():
-            self.metrics.record(f"groups/{key}", n, "sum")
-        self._step_counts = counts
+        ended = self.record.group_counts(counts)
         skipped = self.source.take_skipped()
         if self.config.algorithm.skip_solved:
-            self.metrics.record("data/skipped_solved", skipped, "sum")
-        return any(changes.values()) or skipped > 0
+            self.record.add({"data/skipped_solved": skipped})
+        return ended or skipped > 0
 
-    def _flush_extra_record(self, step: int) -> None:
-        """One more record of `step`, for evaluations that finished after its record was written."""
-        elapsed = asyncio.get_running_loop().time() - self._fit_start
-        self.metrics.record("time/elapsed_s", elapsed, "last")
-        self.records.append(self.metrics.flush(step))
+    async def _save_checkpoint(self) -> None:
+        """Checkpoint the current version; the dispatches not yet trained are run again on resume."""
+        version = self.coordinator.version
 
-    # -- evaluation ----------------------------------------------------------------------------
+        def state() -> CheckpointState:
+            pending = [d.task for d in self.buffer.outstanding()]
+            return CheckpointState(version, self.source.state(pending))
 
-    async def _evaluate_after_step(self, step: int) -> None:
-        """Evaluate when due. An evaluation runs beside the next steps and lands in the first
-        record written after it finishes; near the end (and for the final one) it runs inline,
-        so that the last records hold every evaluation. The data running out early is handled
-        by `_close_after_data_end`."""
-        cfg = self.config
-        total, every = cfg.train.total_steps, cfg.eval.every_steps
-        due = (every and step % every == 0) or (step >= total and cfg.eval.at_end)
-        ending = step + 1 >= total
-        # At most one evaluation runs beside training: a due one waits for the previous.
-        await self._collect_eval(wait=bool(due) or ending)
-        if due and ending:
-            self.metrics.record_many(await self.evaluate(), "last")
-        elif due:
-            self._eval_task = self._eval_scope.create_task(
-                self.evaluate(background=True), name=f"rllm-async:evaluation-{step}"
-            )
-
-    async def _collect_eval(self, *, wait: bool) -> bool:
-        """Record the metrics of the evaluation running beside training if it has finished (or,
-        with `wait`, once it finishes) into the current step's record; True if it recorded any."""
-        task = self._eval_task
-        if task is None or not (wait or task.done()):
-            return False
-        self._eval_task = None
-        self.metrics.record_many(await task, "last")
-        return True
-
-    async def _evaluate_at_start(self) -> None:
-        """Score the starting policy as a record of step 0, outside the timed run."""
-        self.metrics.record_many(await self.evaluate(), "last")
-        self.metrics.record("time/elapsed_s", 0.0, "last")  # the run's clock starts after it
-        self.records.append(self.metrics.flush(0))
-        self._fit_start = self._step_start = asyncio.get_running_loop().time()
-
-    async def evaluate(self, *, background: bool = False) -> dict[str, float]:
-        """Run every eval task once on one pinned policy version; returns `eval/*` metrics.
-        `background`: its requests queue behind rollouts (`SamplingParams.priority` 1)."""
-        if not self.eval_tasks:
-            return {}
-        cfg = self.config
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        sampling = SamplingParams(
-            temperature=cfg.eval.temperature,
-            top_p=1.0,
-            max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
-            priority=int(background),
-        )
-        version = self._evaluated_version = self.policy.acquire()
-        slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
-
-        async def one(task: dict[str, Any]) -> Episode | None:
-            async with slots:
-                ctx = RolloutContext(
-                    self.policy,
-                    sampling=sampling,
-                    pin=True,
-                    version=version,
-                    wait_unpaused=self.coordinator.wait_unpaused,
-                    deadline=loop.time() + cfg.rollout.timeout_s,
-                    task_id=task["id"],
-                )
-                try:
-                    async with ctx.timeout():
-                        return ctx.build_episode(await self.workflow.run(task, ctx))
-                except Exception:
-                    return None
-                finally:
-                    ctx.close()
-
-        try:
-            episodes = await asyncio.gather(*(one(t) for t in self.eval_tasks))
-        finally:
-            self.policy.release(version)
-        done = [e for e in episodes if e is not None]
-        reduced = MetricsAggregator()
-        for episode in done:
-            self._record_episode_metrics(reduced, "eval/episode/", episode)
-        out = {
-            **reduced.take(),
-            "eval/policy_version": float(version),
-            "eval/n": float(len(done)),
-            "eval/failed": float(len(episodes) - len(done)),
-            "eval/time_s": loop.time() - t0,
-        }
-        if done:
-            out["eval/reward/mean"] = sum(e.reward for e in done) / len(done)
-            judged = [e.is_correct for e in done if e.is_correct is not None]
-            if judged:
-                out["eval/accuracy"] = sum(judged) / len(judged)
-        for cb in self.callbacks:
-            cb.on_eval_end(version, out)
-        return out
-
-    async def evaluate_checkpoint(self, path: Path | None) -> dict[str, float]:
-        """Load a checkpoint (None: the initial policy), evaluate it on `data.eval`, close."""
-        self.policy = self.backend.policy()
-        try:
-            if path is not None:
-                state = json.loads((path / "trainer_state.json").read_text())
-                await self.backend.load(path / "backend")
-                self.coordinator.version = state["version"]
-            return await self.evaluate()
-        finally:
-            try:
-                await self.workflow.close()
-            finally:
-                await self.backend.close()
-
-    # -- checkpoints ---------------------------------------------------------------------------
-
-    async def save_checkpoint(self) -> Path:
-        """Write `checkpoints/step_<N>/` atomically: backend state + trainer state, then rename."""
-        step = self.coordinator.version
-        root = self.run_path / "checkpoints"
-        final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        await self.backend.save(tmp / "backend")
-        pending = [d.task for d in sorted(self._outstanding.values(), key=lambda d: d.id)]
-        state = {"version": step, "source": self.source.state(pending)}
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
-        self._checkpointed = step
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        keep = self.config.checkpoint.keep_last
-        if keep is not None:
-            for old in _checkpoints(root)[:-keep]:
-                shutil.rmtree(old)
-        return final
-
-    def _find_resume_checkpoint(self) -> tuple[Path, dict[str, Any]] | None:
-        resume = self.config.checkpoint.resume
-        if resume == "never":
-            return None
-        if resume == "auto":
-            latest = latest_checkpoint(self.run_path)
-            if latest is None:
-                return None
-            path = latest
-        else:
-            path = Path(resume)
-            if not (path / "trainer_state.json").exists():
-                raise ConfigError(
-                    f"checkpoint.resume: {path} is not a checkpoint directory (no trainer_state.json); "
-                    "use auto, never, or a runs/<name>/checkpoints/step_<N> directory"
-                )
-        return path, json.loads((path / "trainer_state.json").read_text())
-
-    async def _resume(self, path: Path, state: dict[str, Any]) -> None:
-        await self.backend.load(path / "backend")
-        await self.backend.on_policy_updated(state["version"])
-        self.source.load_state(state["source"])
-        self.coordinator.version = state["version"]
-        # Groups consumed before the checkpoint count toward admission as in the original run.
-        self.coordinator.counts.dispatched = self.coordinator.counts.consumed = (
-            state["version"] * self.config.train.groups_per_step
-        )
-        self._step_counts = self.coordinator.snapshot()
-        self._step_start = asyncio.get_running_loop().time()
-        self.coordinator.notify()
+        keep_last = self.config.checkpoint.keep_last
+        await checkpoint.save(self.run_path, self.backend, version, state, keep_last)
+        self.checkpointed = version
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    found = _checkpoints(run_dir / "checkpoints")
-    return found[-1] if found else None
+def _solved(dispatch: Dispatch, group_size: int) -> dict[str, float]:
+    """A completed group whose rollouts were all judged as solved by all or by none: the groups
+    that teach nothing, by kind, whether or not they are filtered."""
+    if dispatch.judged != group_size:
+        return {}
+    return {
+        "groups/solve_all": float(dispatch.correct == group_size),
+        "groups/solve_none": float(dispatch.correct == 0),
+    }
 
 
-def _checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [
-        p
-        for p in root.iterdir()
-        if p.name.startswith("step_")
-        and p.name[5:].isdigit()
-        and (p / "trainer_state.json").exists()
-    ]
-    return sorted(found, key=lambda p: int(p.name[5:]))
+def _consumed(ready: ReadyGroup, staleness: int) -> list[dict[str, float]]:
+    """The metrics of a group taken for training: each episode's reward and correctness, and the
+    group's staleness."""
+    out: list[dict[str, float]] = []
+    for episode in ready.episodes:
+        out.append({"reward/mean": episode.reward})
+        if episode.is_correct is not None:
+            out.append({"episode/correct": float(episode.is_correct)})
+    out.append({"staleness/mean": staleness, "staleness/max": staleness})
+    return out
 
 
-def _build_workflow(config: Config) -> Workflow:
-    cls = import_object(config.workflow.cls, "workflow.cls")
-    if not (isinstance(cls, type) and issubclass(cls, Workflow)):
-        raise ConfigError(f"workflow.cls: {config.workflow.cls} is not a Workflow subclass")
-    try:
-        return cls(**config.workflow.args)
-    except TypeError as e:
-        raise ConfigError(f"workflow.args for {config.workflow.cls}: {e}") from None
+def _sinks(cfg: Config, initial_step: int) -> list[MetricsSink]:
+    sinks: list[MetricsSink] = []
+    if cfg.logging.jsonl:
+        sinks.append(JsonlSink(cfg.run_path / "metrics.jsonl"))
+    if cfg.logging.progress_bar:
+        sinks.append(ProgressBarSink(cfg.train.total_steps, initial=initial_step, desc=cfg.name))
+    if cfg.logging.wandb.enabled:
+        w = cfg.logging.wandb
+        config = cfg.model_dump(mode="json")
+        sinks.append(WandbSink(w.project, cfg.name, w.entity, w.mode, config, cfg.run_path))
+    return sinks
 
 
 def _write_config(config: Config, path: Path) -> None:

@@ -168,12 +168,12 @@ def test_example_configs_build_their_workflows_and_data() -> None:
 
     from rllm_async.config import load_config
     from rllm_async.data import load_tasks
-    from rllm_async.trainer import _build_workflow
+    from rllm_async.runner import build_workflow
 
     root = Path(__file__).parents[1] / "examples"
     for path in [*root.glob("guess/*.yaml"), *root.glob("calculator/*.yaml")]:
         config = load_config(path)
-        _build_workflow(config)
+        build_workflow(config)
         assert config.data.train is not None and load_tasks(config.data.train, "train")
 
 

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from rllm_async.coordinator import StallError, SyncTimeoutError
+from rllm_async.health import FailureRateError
 from rllm_async.rollout import RolloutContext
-from rllm_async.trainer import FailureRateError, UnifiedTrainer
+from rllm_async.trainer import UnifiedTrainer
 from rllm_async.types import Episode
 from rllm_async.vclock import run
 from rllm_async.workflows.base import Workflow
@@ -44,7 +45,7 @@ def test_rollouts_that_never_return_are_reclaimed_at_their_deadline(tmp_path) ->
     assert sum(r.get("rollout/timeouts", 0) for r in records) >= 5
     # Every timed-out rollout was retried and succeeded, so no group lost a member.
     assert all(len(rewards) == 4 for step in backend.trained for _, rewards in step)
-    assert trainer._slots._value == 8, "every concurrency slot is free again"
+    assert trainer.coordinator.rollouts_running == 0, "every concurrency slot is free again"
     # Each step waits ~one deadline for its hung rollouts, then goes on.
     assert 30.0 <= records[0]["time/step_s"] < 40.0
 
@@ -385,7 +386,7 @@ def test_latest_mode_records_newer_versions_and_pin_never_spans_two(tmp_path) ->
 def test_a_run_without_any_learning_signal_stops_with_a_clear_error(
     tmp_path, filter_unsolved
 ) -> None:
-    from rllm_async.trainer import NoSignalError
+    from rllm_async.health import NoSignalError
 
     workflow = ScriptedWorkflow(reward=lambda task, i, a: 0.0)  # never succeeds
     cfg = make_config(

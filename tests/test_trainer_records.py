@@ -11,8 +11,9 @@ import pytest
 
 from rllm_async.backends.sim import workload_config
 from rllm_async.config import ConfigError
+from rllm_async.health import FailureRateError, NoSignalError
 from rllm_async.rollout import RolloutContext
-from rllm_async.trainer import FailureRateError, NoSignalError, UnifiedTrainer
+from rllm_async.trainer import UnifiedTrainer
 from rllm_async.types import Episode
 from rllm_async.vclock import run
 from rllm_async.workflows.base import Workflow

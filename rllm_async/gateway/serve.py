@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rllm_async.backends import get_backend_factory
 from rllm_async.backends.base import SamplingParams
+from rllm_async.checkpoint import load as load_checkpoint
 from rllm_async.config import Config, ConfigError
 from rllm_async.gateway.server import Gateway
 
@@ -28,9 +29,7 @@ async def serve(
     backend = factory.from_config(config)
     try:
         if checkpoint is not None:
-            await backend.load(checkpoint / "backend")
-            state = json.loads((checkpoint / "trainer_state.json").read_text())
-            await backend.on_policy_updated(int(state["version"]))
+            await load_checkpoint(checkpoint, backend)
         sampling = SamplingParams(
             temperature=config.rollout.temperature,
             top_p=config.rollout.top_p,

@@ -26,6 +26,10 @@ class Workflow(ABC):
     @abstractmethod
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode | float | None: ...
 
+    async def start(self) -> None:
+        """Start what every `run` shares (a server, a pool); the trainer calls it once at the start."""
+        return None
+
     async def close(self) -> None:
         """Release what `run` started (a server, a pool); the trainer calls it once at the end."""
         return None

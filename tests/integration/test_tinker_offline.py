@@ -469,7 +469,7 @@ def test_tinker_examples_validate_without_a_server(mode) -> None:
     """The whole config, the backend's own options and its refusals, the workflow and the data
     generator: everything `rllm-async train` checks before it contacts the service."""
     from rllm_async.imports import import_object
-    from rllm_async.trainer import _build_workflow
+    from rllm_async.runner import build_workflow
 
     cfg = load_config(EXAMPLES / f"tinker_{mode}.yaml")
     assert cfg.mode == mode and cfg.backend.name == "tinker"
@@ -478,7 +478,7 @@ def test_tinker_examples_validate_without_a_server(mode) -> None:
     assert cfg.algorithm.loss.importance_sampling == "none"
     if mode == "async":
         assert cfg.coordinator.pipeline_depth == 1 and cfg.coordinator.weight_update == "pin"
-    _build_workflow(cfg)
+    build_workflow(cfg)
     assert cfg.data.train is not None and cfg.data.train.generator is not None
     generate = import_object(cfg.data.train.generator, "data.train.generator")
     assert len(generate(**{**cfg.data.train.args, "n": 3})) == 3

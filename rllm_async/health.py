@@ -1,0 +1,98 @@
+"""The guards that stop a run that cannot succeed: the failure-rate breaker and the no-signal guard."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from rllm_async.config import Config
+from rllm_async.coordinator import GroupState
+
+log = logging.getLogger(__name__)
+
+_BREAKER_MIN_ROLLOUTS = 32
+# Filtered groups in a row, in steps' worth, that make the run warn that it learns nothing.
+_NO_SIGNAL_WARNING_STEPS = 3
+
+
+class FailureRateError(RuntimeError):
+    """Too many rollouts failed recently (`rollout.max_failure_rate`); the run stops."""
+
+
+class NoSignalError(RuntimeError):
+    """`algorithm.no_signal_steps` steps' worth of groups in a row were filtered: nothing is learned."""
+
+
+class FailureRateBreaker:
+    """The circuit breaker over the last `rollout.failure_window` rollouts: raises
+    FailureRateError when more than `rollout.max_failure_rate` of them failed."""
+
+    def __init__(self, config: Config) -> None:
+        self.window = config.rollout.failure_window
+        self.max_rate = config.rollout.max_failure_rate
+        self._outcomes: deque[bool] = deque(maxlen=self.window)
+        self._failures = 0
+        self._last_error = ""
+
+    def observe(self, failed: bool, last_error: str) -> None:
+        """Count one rollout's outcome; `last_error` (if any) is named when the breaker trips."""
+        if last_error:
+            self._last_error = last_error
+        if len(self._outcomes) == self._outcomes.maxlen:
+            self._failures -= self._outcomes[0]
+        self._outcomes.append(failed)
+        self._failures += failed
+        n = len(self._outcomes)
+        if n < min(self.window, _BREAKER_MIN_ROLLOUTS):
+            return
+        rate = self._failures / n
+        if rate > self.max_rate:
+            raise FailureRateError(
+                f"{rate:.0%} of the last {n} rollouts failed (rollout.max_failure_rate="
+                f"{self.max_rate}); last error: {self._last_error}. Fix the workflow, or raise "
+                "rollout.timeout_s / rollout.retries / rollout.max_failure_rate"
+            )
+
+
+class NoSignalGuard:
+    """Warns when the groups of a few steps in a row were all filtered, and raises NoSignalError
+    when `algorithm.no_signal_steps` steps' worth were: no step can be taken on them."""
+
+    def __init__(self, config: Config) -> None:
+        self.limit = config.algorithm.no_signal_steps
+        self.per_step = config.train.groups_per_step
+        self.filter_unsolved = config.algorithm.filter_unsolved
+        self._filtered_in_a_row = 0
+
+    def observe(self, state: GroupState) -> None:
+        """Count how a completed group ended."""
+        if state is not GroupState.FILTERED:
+            self._filtered_in_a_row = 0
+            return
+        self._filtered_in_a_row += 1
+        n, per_step, limit = self._filtered_in_a_row, self.per_step, self.limit
+        if limit is not None and n >= limit * per_step:
+            raise NoSignalError(
+                f"{self._reason()}; stopped at algorithm.no_signal_steps={limit} "
+                "steps' worth of them"
+            )
+        if n == _NO_SIGNAL_WARNING_STEPS * per_step:
+            stop = (
+                f"the run stops at {limit * per_step} in a row (algorithm.no_signal_steps={limit})"
+                if limit is not None
+                else "algorithm.no_signal_steps is null, so the run goes on"
+            )
+            log.warning(f"{self._reason()}; {stop}", extra={"status": "no signal"})
+
+    def _reason(self) -> str:
+        """Why the last groups were all filtered, and the knobs that change it."""
+        why, flags = "had equal rewards within the group", ["filter_zero_variance"]
+        if self.filter_unsolved:
+            why += " or no correct rollout"
+            flags.append("filter_unsolved")
+        return (
+            f"the last {self._filtered_in_a_row} groups all {why} and were filtered, so there is "
+            "nothing to learn from: the policy always fails (or always succeeds). Warm-start the "
+            "policy, make the task easier or the reward denser, or set "
+            + " or ".join(f"algorithm.{flag}=false" for flag in flags)
+        )

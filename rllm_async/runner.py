@@ -1,0 +1,106 @@
+"""How a workflow is run: built from config, and one rollout of one task with retries and deadline.
+
+Training and evaluation both run their rollouts through `run_rollout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rllm_async.backends.base import PolicyClient, SamplingParams
+from rllm_async.config import Config, ConfigError
+from rllm_async.imports import import_object
+from rllm_async.rollout import RolloutContext
+from rllm_async.types import Episode
+from rllm_async.workflows.base import Workflow
+
+
+@dataclass(slots=True)
+class Rollout:
+    """What one rollout came to: its episode, None when every attempt failed (why the last
+    failed attempt failed in `last_error`)."""
+
+    episode: Episode | None
+    last_error: str = ""
+
+
+def episode_metrics(episode: Episode) -> dict[str, float]:
+    """The `rollout/*` and `tokens/*` metrics of a finished episode."""
+    tokens = episode.num_completion_tokens
+    return {
+        "rollout/reward/mean": episode.reward,
+        "episode/completion_tokens": tokens,
+        "tokens/generated": tokens,
+    }
+
+
+async def run_rollout(
+    workflow: Workflow,
+    task: dict[str, Any],
+    policy: PolicyClient,
+    *,
+    sampling: SamplingParams,
+    pin: bool,
+    timeout_s: float,
+    retries: int,
+    wait_unpaused: Callable[[], Awaitable[None]],
+    report: Callable[[dict[str, float]], None] = lambda metrics: None,
+    rollout_index: int = 0,
+    version: int | None = None,
+) -> Rollout:
+    """Run one rollout of `task`, each attempt under its own `timeout_s` deadline, retrying
+    failures `retries` times; `version` pins every call to that policy version. The metrics of
+    each retry and failed attempt go to `report` as they happen."""
+    loop = asyncio.get_running_loop()
+    out = Rollout(None)
+    for attempt in range(retries + 1):
+        if attempt:
+            report({"rollout/retries": 1})
+        ctx = RolloutContext(
+            policy,
+            sampling=sampling,
+            pin=pin,
+            version=version,
+            wait_unpaused=wait_unpaused,
+            deadline=loop.time() + timeout_s,
+            task_id=task["id"],
+            rollout_index=rollout_index,
+            attempt=attempt,
+        )
+        try:
+            async with ctx.timeout():
+                result = await workflow.run(task, ctx)
+            episode = ctx.build_episode(result)
+        except TimeoutError:
+            out.last_error = f"rollout timed out after rollout.timeout_s={timeout_s}s"
+            report(_failed("rollout/timeouts", ctx.num_completion_tokens))
+            continue
+        except Exception as e:
+            out.last_error = f"{type(e).__name__}: {e}"
+            report(_failed("rollout/errors", ctx.num_completion_tokens))
+            continue
+        finally:
+            ctx.close()
+        episode.task_id = task["id"]
+        out.episode = episode
+        return out
+    return out
+
+
+def _failed(kind: str, tokens: int) -> dict[str, float]:
+    """The metrics of a failed attempt: its kind, and its tokens, wasted."""
+    return {kind: 1, "tokens/generated": tokens, "tokens/wasted": tokens}
+
+
+def build_workflow(config: Config) -> Workflow:
+    """The workflow `workflow.cls` names, built with `workflow.args`."""
+    cls = import_object(config.workflow.cls, "workflow.cls")
+    if not (isinstance(cls, type) and issubclass(cls, Workflow)):
+        raise ConfigError(f"workflow.cls: {config.workflow.cls} is not a Workflow subclass")
+    try:
+        return cls(**config.workflow.args)
+    except TypeError as e:
+        raise ConfigError(f"workflow.args for {config.workflow.cls}: {e}") from None

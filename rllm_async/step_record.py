@@ -1,0 +1,164 @@
+"""The per-step record: every metric's reduction, declared here, and the record one fit assembles
+per optimizer step from the metrics its steps and helpers return."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from rllm_async.metrics import MetricsAggregator, Reduce
+from rllm_async.runner import episode_metrics
+from rllm_async.types import Episode
+
+# How each metric the trainer records is reduced over a step.
+REDUCTIONS: dict[str, Reduce] = {
+    # each rollout
+    "rollout/retries": "sum",
+    "rollout/timeouts": "sum",
+    "rollout/errors": "sum",
+    "rollout/failures": "sum",
+    "rollout/reward/mean": "mean",
+    "episode/completion_tokens": "mean",
+    "tokens/generated": "sum",
+    "tokens/wasted": "sum",
+    # each completed or ended group
+    "groups/solve_all": "sum",
+    "groups/solve_none": "sum",
+    "groups/dispatched": "sum",
+    "groups/consumed": "sum",
+    "groups/filtered": "sum",
+    "groups/failed": "sum",
+    "groups/dropped_stale": "sum",
+    "groups/cancelled": "sum",
+    "groups/requeued": "sum",
+    "data/skipped_solved": "sum",
+    # each trained group and each update
+    "reward/mean": "mean",
+    "episode/correct": "mean",
+    "staleness/mean": "mean",
+    "staleness/max": "max",
+    "time/forward_backward_s": "sum",
+    "time/optim_step_s": "sum",
+    "time/sync_s": "sum",
+    "time/sync_overhead_s": "sum",
+    "async/trainer_idle_s": "sum",
+    # once per step
+    "groups/in_flight": "last",
+    "groups/buffered": "last",
+    "policy_version": "last",
+    "time/step_s": "last",
+    "time/elapsed_s": "last",
+    "async/trainer_idle_ratio": "last",
+    "async/generation_idle_ratio": "last",
+    "episodes/per_s": "last",
+    "tokens/per_s": "last",
+    "data/epoch": "last",
+    "train/groups": "last",
+}
+# Metrics whose names the backend or the evaluation choose, reduced as a whole.
+FORWARD_BACKWARD: Reduce = "mean"  # a backend's, once per micro-batch
+OPTIM_STEP: Reduce = "last"  # a backend's, once per step
+EVALUATION: Reduce = "last"  # `eval/*`, once per evaluation
+
+# Group outcomes counted per record, as the change since the previous record.
+GROUP_COUNTS = (
+    "dispatched",
+    "consumed",
+    "filtered",
+    "failed",
+    "dropped_stale",
+    "cancelled",
+    "requeued",
+)
+
+
+def record_episode(
+    metrics: MetricsAggregator, prefix: str, episode: Episode, reductions: Mapping[str, Reduce]
+) -> None:
+    """An episode's own metrics, reduced as its workflow declares (mean by default)."""
+    for key, value in episode.metrics.items():
+        metrics.record(prefix + key, value, reductions.get(key, "mean"))
+
+
+class StepRecord:
+    """One fit's step records: collects what happens during a step and, once per step, reduces it
+    into one record for every sink. Also counts the step's episodes and tokens and its time."""
+
+    def __init__(
+        self,
+        metrics: MetricsAggregator,
+        records: list[dict[str, float]],
+        counts: dict[str, int],
+        now: float,
+    ) -> None:
+        self.metrics = metrics
+        self.records = records  # every record written, appended to
+        self.fit_start = self.step_start = now
+        self._counts = counts  # the coordinator's counts at the previous record
+        self._episodes = 0
+        self._tokens = 0
+
+    def add(self, metrics: Mapping[str, float], reduce: Reduce | None = None) -> None:
+        """Add metrics to the step's record, each reduced as `REDUCTIONS` declares (or `reduce`)."""
+        for key, value in metrics.items():
+            self.metrics.record(key, value, reduce or REDUCTIONS[key])
+
+    def add_generation(self, metrics: Mapping[str, float]) -> None:
+        """Add the metrics of a rollout attempt, counting its tokens toward `tokens/per_s`."""
+        self.add(metrics)
+        self._tokens += int(metrics.get("tokens/generated", 0))
+
+    def add_episode(self, episode: Episode, reductions: Mapping[str, Reduce]) -> None:
+        """A finished episode's metrics, its own reduced as its workflow's `reductions` declare."""
+        self.add_generation(episode_metrics(episode))
+        record_episode(self.metrics, "episode/", episode, reductions)
+        self._episodes += 1
+
+    def group_counts(self, counts: dict[str, int]) -> bool:
+        """Add how many groups ended each way since the last record; False if none did."""
+        changes = {key: counts[key] - self._counts[key] for key in GROUP_COUNTS}
+        self.add({f"groups/{key}": n for key, n in changes.items()})
+        self._counts = counts
+        return any(changes.values())
+
+    def step_metrics(
+        self, counts: dict[str, int], now: float, generation_idle_s: float
+    ) -> dict[str, float]:
+        """The closing figures of the step that ends `now`: timing, rates, where groups are."""
+        step_s = max(now - self.step_start, 1e-12)
+        trainer_idle_s = self.metrics.peek("async/trainer_idle_s") or 0.0
+        return {
+            "groups/in_flight": counts["in_flight"],
+            "groups/buffered": counts["buffered"],
+            "policy_version": counts["version"],
+            "time/step_s": step_s,
+            "time/elapsed_s": now - self.fit_start,
+            "async/trainer_idle_ratio": trainer_idle_s / step_s,
+            "async/generation_idle_ratio": generation_idle_s / step_s,
+            "episodes/per_s": self._episodes / step_s,
+            "tokens/per_s": self._tokens / step_s,
+        }
+
+    def flush(self, step: int) -> dict[str, float]:
+        """Write the record of `step` to every sink."""
+        record = self.metrics.flush(step)
+        self.records.append(record)
+        return record
+
+    def flush_extra(self, step: int, now: float) -> None:
+        """One more record of `step`, for what ended after its record was written."""
+        self.add({"time/elapsed_s": now - self.fit_start})
+        self.flush(step)
+
+    def next_step(self, now: float, counts: dict[str, int] | None = None) -> None:
+        """The next step starts `now`; `counts`: the coordinator's counts to count changes from."""
+        self.step_start = now
+        self._episodes = self._tokens = 0
+        if counts is not None:
+            self._counts = counts
+
+    def restart_clock(self, now: float) -> None:
+        """The run's clock starts `now` (after an evaluation of the starting policy)."""
+        self.fit_start = self.step_start = now
+
+    def close(self) -> None:
+        self.metrics.close()
