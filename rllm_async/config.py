@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -226,8 +227,14 @@ class Config(_Section):
         return Path(self.run_dir) / self.name
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load a YAML config (or the defaults when `path` is None) and apply `key=value` overrides."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load a YAML config (or the defaults when `path` is None) and apply `key=value` overrides;
+    `defaults` (a config as a mapping, such as a sim workload) lies under both."""
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -240,7 +247,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if not isinstance(base, DictConfig):
         raise ConfigError(f"config {path} must be a mapping of sections, not a list")
     try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or [])))
+        merged = OmegaConf.merge(
+            dict(defaults or {}), base, OmegaConf.from_dotlist(list(overrides or []))
+        )
     except (OmegaConfBaseException, ValueError) as e:
         raise ConfigError(
             f"cannot apply overrides {overrides}: {e}; write them as key=value"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from rllm_async import vclock
+from rllm_async.algorithms.sim_workload import sample_lengths
 from rllm_async.backends.base import Backend, SamplingParams
 from rllm_async.backends.sim import (
     WORKLOADS,
@@ -18,18 +19,15 @@ from rllm_async.backends.sim import (
     SimOptions,
     SimPolicy,
     SimSyncError,
-    SimWorkflow,
-    SimWorkflowError,
     ps_makespan,
     ps_rate,
-    sample_lengths,
     step_profile,
-    synthetic_tasks,
     workload_config,
 )
 from rllm_async.config import ConfigError, LossConfig, config_from_dict
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import TrajectoryGroup
+from rllm_async.workflows.sim import SimWorkflow, SimWorkflowError, synthetic_tasks
 
 
 async def _unpaused() -> None:

@@ -230,8 +230,8 @@ def test_cli_train_and_simulate(tmp_path, capsys) -> None:
         "name: cli\n"
         f"run_dir: {tmp_path}\n"
         "backend: {name: sim, latency: zero}\n"
-        "workflow: {cls: 'rllm_async.backends.sim:SimWorkflow', args: {len_median: 8}}\n"
-        "data: {train: {generator: 'rllm_async.backends.sim:synthetic_tasks', args: {n: 64}}}\n"
+        "workflow: {cls: 'rllm_async.workflows.sim:SimWorkflow', args: {len_median: 8}}\n"
+        "data: {train: {generator: 'rllm_async.workflows.sim:synthetic_tasks', args: {n: 64}}}\n"
         "logging: {progress_bar: false}\n"
     )
     assert main(["train", str(cfg), "train.total_steps=3", "train.groups_per_step=2"]) == 0

@@ -1,0 +1,45 @@
+"""The simulated workload's math, shared by the sim backend (to calibrate) and SimWorkflow (to draw).
+
+Rollout lengths are lognormal (median, sigma, capped); every draw is fixed by a key, never by
+scheduling order; a task's base success probability is fixed by its id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from statistics import NormalDist
+
+import numpy as np
+
+LEN_MEDIAN = 1500.0
+LEN_SIGMA = 0.8
+LEN_CAP = 16384
+_STD_NORMAL = NormalDist()
+
+
+def rollout_length(u: float, median: float, sigma: float, cap: int) -> int:
+    """A lognormal rollout length from a uniform draw u in (0, 1), rounded and capped."""
+    return min(cap, max(1, round(median * math.exp(sigma * _STD_NORMAL.inv_cdf(u)))))
+
+
+def sample_lengths(
+    rng: np.random.Generator, n: int, median: float, sigma: float, cap: int
+) -> np.ndarray:
+    """n rollout lengths from the same distribution as `rollout_length`."""
+    return np.clip(np.rint(median * np.exp(sigma * rng.standard_normal(n))), 1, cap).astype(int)
+
+
+def uniforms(*key: object, n: int) -> list[float]:
+    """n uniform draws in (0, 1) fixed by `key` alone, not by scheduling order or PYTHONHASHSEED."""
+    digest = hashlib.blake2b("\x1f".join(map(str, key)).encode(), digest_size=8 * n).digest()
+    # 52 bits keep (k + 0.5) / 2**52 exactly representable and strictly inside (0, 1).
+    return [
+        ((int.from_bytes(digest[8 * i : 8 * i + 8], "little") >> 12) + 0.5) / 2**52
+        for i in range(n)
+    ]
+
+
+def task_difficulty(task_id: str) -> float:
+    """The base success probability p0 in [0.1, 0.9] of a task, fixed by its id."""
+    return 0.1 + 0.8 * uniforms("p0", task_id, n=1)[0]

@@ -1,0 +1,146 @@
+"""The `sim` backend: a deterministic, model-free simulation of generation and training.
+
+Generation runs on a simulated inference server (`server.py`). Training takes completion tokens /
+train_rate seconds; weight syncs take t_sync. Used by tests, benchmarks and to dry-run a schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import BaseModel
+
+from rllm_async.backends.sim.options import LENGTH_KEYS, SimOptions
+from rllm_async.backends.sim.policy import SimPolicy
+from rllm_async.backends.sim.server import step_profile
+from rllm_async.config import Config, LossConfig, validate_options
+from rllm_async.types import TrajectoryGroup
+
+
+class SimSyncError(RuntimeError):
+    """An injected weight-sync failure (`sync_fail_every`)."""
+
+
+TrainedGroup = tuple[str, str, tuple[float, ...], tuple[float, ...], tuple[int, ...], int]
+
+
+class SimBackend:
+    """The Backend protocol on simulated time: training and syncs only sleep and log.
+
+    `trained` holds one list per optimizer step of (task_id, name, rewards, advantages,
+    completion lengths, min_version), so tests can compare the batches of two runs.
+    """
+
+    options: ClassVar[type[BaseModel]] = SimOptions
+    virtual_clock: ClassVar[bool] = True
+
+    def __init__(
+        self, opts: SimOptions | None = None, *, rollouts_per_step: int = 128, seed: int = 0
+    ) -> None:
+        self.opts = opts if opts is not None else SimOptions()
+        self.profile = step_profile(self.opts, rollouts_per_step, seed=seed)
+        if self.opts.train_rate is not None:
+            self.train_rate = self.opts.train_rate
+        else:
+            assert self.opts.train_ratio is not None  # SimOptions sets one of the two
+            self.train_rate = self.profile.train_rate_for(self.opts.train_ratio)
+        self.version = 0
+        self.steps = 0
+        self.trained: list[list[TrainedGroup]] = []
+        self.sync_failures = 0
+        self.sync_hangs = 0
+        self._policy = SimPolicy(self.opts)
+        self._open_step: list[TrainedGroup] | None = None
+        self._faulted: set[int] = set()
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: Config) -> SimBackend:
+        options = config.backend.options
+        opts = validate_options(SimOptions, options, "backend")
+        inherited = {
+            k: config.workflow.args[k]
+            for k in LENGTH_KEYS
+            if k in config.workflow.args and k not in options
+        }
+        if inherited:
+            opts = validate_options(SimOptions, {**options, **inherited}, "backend")
+        rollouts = config.train.groups_per_step * config.rollout.group_size
+        return cls(opts, rollouts_per_step=rollouts, seed=config.seed)
+
+    def policy(self) -> SimPolicy:
+        return self._policy
+
+    async def forward_backward(
+        self, groups: list[TrajectoryGroup], loss: LossConfig
+    ) -> dict[str, float]:
+        tokens = sum(g.num_completion_tokens for g in groups)
+        seconds = tokens / self.train_rate if self.opts.latency == "ps" else 0.0
+        if seconds:
+            await asyncio.sleep(seconds)
+        if self._open_step is None:
+            self._open_step = []
+            self.trained.append(self._open_step)
+        self._open_step.extend(
+            (
+                g.task_id,
+                g.name,
+                tuple(g.rewards),
+                tuple(g.advantages),
+                tuple(t.num_completion_tokens for t in g.trajectories),
+                g.min_version,
+            )
+            for g in groups
+        )
+        return {"sim/train_tokens": float(tokens), "sim/train_s": seconds}
+
+    async def optim_step(self) -> dict[str, float]:
+        if self._open_step is None:
+            self.trained.append([])
+        groups = len(self.trained[-1])
+        self._open_step = None
+        self.steps += 1
+        return {"sim/step_groups": float(groups)}
+
+    async def on_policy_updated(self, version: int) -> None:
+        """Sleep t_sync, then serve `version`; a faulty version hangs or fails at its first try."""
+        if self.opts.latency == "ps" and self.opts.t_sync:
+            await asyncio.sleep(self.opts.t_sync)
+        first_attempt = version not in self._faulted
+        if first_attempt and _every(self.opts.sync_hang_every, version):
+            self._faulted.add(version)
+            self.sync_hangs += 1
+            await asyncio.get_running_loop().create_future()  # never resolves
+        if first_attempt and _every(self.opts.sync_fail_every, version):
+            self._faulted.add(version)
+            self.sync_failures += 1
+            raise SimSyncError(
+                f"injected weight-sync failure at version {version} "
+                f"(sync_fail_every={self.opts.sync_fail_every})"
+            )
+        self.version = version
+        self._policy.set_version(version)
+
+    async def save(self, path: Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {"version": self.version, "steps": self.steps}
+        (path / "sim_state.json").write_text(json.dumps(state))
+
+    async def load(self, path: Path) -> None:
+        state = json.loads((Path(path) / "sim_state.json").read_text())
+        self.version = int(state["version"])
+        self.steps = int(state["steps"])
+        self._policy.set_version(self.version)
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._policy.close()
+
+
+def _every(n: int, version: int) -> bool:
+    return n > 0 and version > 0 and version % n == 0

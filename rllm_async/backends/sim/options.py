@@ -1,0 +1,43 @@
+"""The `backend:` options of the sim backend."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rllm_async.algorithms.sim_workload import LEN_CAP, LEN_MEDIAN, LEN_SIGMA
+
+LENGTH_KEYS = ("len_median", "len_sigma", "len_cap")
+
+
+class SimOptions(BaseModel):
+    """The `backend:` keys of `name: sim`. Times are virtual seconds, rates tokens per second."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    latency: Literal["ps", "zero"] = "ps"  # zero: generation, training and syncs take no time
+    slots: int = Field(default=512, ge=1)
+    rmax: float = Field(default=20000.0, gt=0.0)
+    n_half: float = Field(default=64.0, ge=0.0)
+    train_rate: float | None = Field(default=None, gt=0.0)
+    train_ratio: float | None = Field(default=None, gt=0.0)  # T_train / T_gen(sync) per step
+    t_sync: float = Field(default=0.5, ge=0.0)
+    sync_fail_every: int = Field(default=0, ge=0)  # 0: never
+    sync_hang_every: int = Field(default=0, ge=0)  # 0: never
+    # The rollout-length distribution train_ratio is calibrated on; from_config takes any of
+    # these not given here from workflow.args, so the two cannot disagree silently.
+    len_median: float = Field(default=LEN_MEDIAN, gt=0.0)
+    len_sigma: float = Field(default=LEN_SIGMA, ge=0.0)
+    len_cap: int = Field(default=LEN_CAP, ge=1)
+
+    @model_validator(mode="after")
+    def _one_train_speed(self) -> SimOptions:
+        if self.train_rate is not None and self.train_ratio is not None:
+            raise ValueError(
+                "give one of backend.train_rate (tokens/s) or backend.train_ratio "
+                "(T_train / T_gen), not both"
+            )
+        if self.train_rate is None and self.train_ratio is None:
+            self.train_ratio = 0.3
+        return self

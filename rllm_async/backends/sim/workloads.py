@@ -1,0 +1,71 @@
+"""The benchmark workloads W1-W4 of the sim backend, as configs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rllm_async.algorithms.sim_workload import LEN_CAP, LEN_MEDIAN, LEN_SIGMA
+from rllm_async.config import Config, ConfigError, load_config
+
+
+def _workload(
+    *,
+    groups_per_step: int = 32,
+    len_sigma: float = LEN_SIGMA,
+    len_cap: int = LEN_CAP,
+    train_ratio: float = 0.3,
+    timeout_s: float = 1200.0,
+    exception_rate: float = 0.0,
+    hang_rate: float = 0.0,
+    sync_fail_every: int = 0,
+) -> dict[str, Any]:
+    slots = 512
+    return {
+        "backend": {
+            "name": "sim",
+            "latency": "ps",
+            "slots": slots,
+            "rmax": 20000.0,
+            "n_half": 64.0,
+            "t_sync": 0.5,
+            "train_ratio": train_ratio,
+            "sync_fail_every": sync_fail_every,
+        },
+        "workflow": {
+            "cls": "rllm_async.workflows.sim:SimWorkflow",
+            "args": {
+                "len_median": LEN_MEDIAN,
+                "len_sigma": len_sigma,
+                "len_cap": len_cap,
+                "exception_rate": exception_rate,
+                "hang_rate": hang_rate,
+            },
+        },
+        "data": {
+            "train": {"generator": "rllm_async.workflows.sim:synthetic_tasks", "args": {"n": 1024}}
+        },
+        "train": {"groups_per_step": groups_per_step},
+        # timeout_s: a few times the longest legitimate rollout at full concurrency (cap tokens
+        # at rmax / (slots + n_half) tok/s), so only injected hangs are reclaimed by it.
+        "rollout": {
+            "group_size": 8,
+            "max_tokens": len_cap,
+            "timeout_s": timeout_s,
+            "max_concurrency": slots,
+        },
+    }
+
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "W1": _workload(),  # reasoning
+    "W2": _workload(train_ratio=1.0),  # balanced
+    "W3": _workload(groups_per_step=16, len_sigma=1.3, len_cap=32768, timeout_s=3600.0),
+    "W4": _workload(exception_rate=0.02, hang_rate=0.005, sync_fail_every=50),  # faults
+}
+
+
+def workload_config(name: str, overrides: list[str] | None = None) -> Config:
+    """The Config of workload `name` with `key=value` overrides applied (as on the command line)."""
+    if name not in WORKLOADS:
+        raise ConfigError(f"unknown sim workload '{name}': choose one of {', '.join(WORKLOADS)}")
+    return load_config(overrides=overrides, defaults=WORKLOADS[name])

@@ -1,0 +1,86 @@
+"""SimWorkflow: one model call of a simulated length and reward, for the `sim` backend's runs."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rllm_async.algorithms.sim_workload import (
+    LEN_CAP,
+    LEN_MEDIAN,
+    LEN_SIGMA,
+    rollout_length,
+    task_difficulty,
+    uniforms,
+)
+from rllm_async.config import validate_options
+from rllm_async.rollout import RolloutContext
+from rllm_async.types import Episode
+from rllm_async.workflows.base import Workflow
+
+
+class SimWorkflowError(RuntimeError):
+    """An injected workflow failure (`exception_rate`, `fail_tasks`)."""
+
+
+class SimWorkflowArgs(BaseModel):
+    """The `workflow.args` of SimWorkflow."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = 0
+    len_median: float = Field(default=LEN_MEDIAN, gt=0.0)
+    len_sigma: float = Field(default=LEN_SIGMA, ge=0.0)
+    len_cap: int = Field(default=LEN_CAP, ge=1)
+    exception_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    hang_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    reward_delay_s: float = Field(default=0.0, ge=0.0)
+    fail_tasks: list[str] = Field(default_factory=list)
+    version_slope: float = 0.02  # logit gain in success probability per policy version
+
+
+def synthetic_tasks(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """n synthetic tasks for SimWorkflow (`data.train.generator`)."""
+    if n < 1:
+        raise ValueError(f"synthetic_tasks needs n >= 1, got {n}")
+    ids = [f"sim-{seed}-{i}" for i in range(n)]
+    return [
+        {"id": tid, "prompt": f"Simulated task {i}.", "p0": task_difficulty(tid)}
+        for i, tid in enumerate(ids)
+    ]
+
+
+class SimWorkflow(Workflow):
+    """One model call of a lognormal length and a {0, 1} reward that improves with the version.
+
+    Every draw is fixed by (seed, task id, rollout index, attempt), so a rollout's length and
+    faults do not depend on scheduling order.
+    """
+
+    def __init__(self, **args: Any) -> None:
+        self.args: SimWorkflowArgs = validate_options(SimWorkflowArgs, args, "workflow.args")
+
+    async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode | float | None:
+        a = self.args
+        task_id = str(task["id"])
+        if task_id in a.fail_tasks:
+            raise SimWorkflowError(f"task {task_id} is in workflow.args.fail_tasks")
+        u_len, u_hang, u_exc, u_reward = uniforms(
+            a.seed, task_id, ctx.rollout_index, ctx.attempt, n=4
+        )
+        length = rollout_length(u_len, a.len_median, a.len_sigma, a.len_cap)
+        prompt = ctx.policy.tokenizer.encode(str(task.get("prompt", task_id)))
+        out = await ctx.generate(prompt, max_tokens=length)
+        if u_hang < a.hang_rate:
+            await asyncio.get_running_loop().create_future()  # never resolves
+        if u_exc < a.exception_rate:
+            raise SimWorkflowError(f"injected failure (exception_rate={a.exception_rate})")
+        if a.reward_delay_s:
+            await asyncio.sleep(a.reward_delay_s)
+        p0 = float(task["p0"]) if "p0" in task else task_difficulty(task_id)
+        version = sum(out.versions) / len(out.versions)
+        logit = math.log(p0 / (1.0 - p0)) + a.version_slope * version
+        return 1.0 if u_reward < 0.5 * (1.0 + math.tanh(logit / 2)) else 0.0  # sigmoid
