@@ -32,7 +32,8 @@ class SingleTurnWorkflow(Workflow):
         self.system_prompt = system_prompt
 
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
-        reply = await ctx.chat(task_messages(task, self.prompt_key, self.system_prompt))
+        messages = task_messages(task, self.prompt_key, self.system_prompt)
+        reply = await ctx.chat(messages)
         reward, correct = score(self.reward_fn, task, reply["content"])
         ctx.set_reward(reward)
         episode = ctx.build_episode(None)
