@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import secrets
@@ -28,8 +29,10 @@ from rllm_async.gateway.protocol import (
     SamplingFields,
 )
 from rllm_async.gateway.sessions import Session, SessionStore
+from rllm_async.gateway.structured import format_error
 from rllm_async.rollout import ChatTemplateError, ChatTurn, ContextLengthError, RolloutContext
 from rllm_async.rollout.chat import cut_at_stop
+from rllm_async.rollout.tool_calls import forced_call_prefix
 
 log = logging.getLogger("rllm_async.gateway")
 M = TypeVar("M", bound=BaseModel)
@@ -264,14 +267,22 @@ class _API:
         ctx = session.ctx if session is not None else self.gw.scratch_context()
         messages = [m.to_chat() for m in req.messages]
         tools = req.tool_schemas
+        forced = req.forced_tool
+        prefix = "" if forced is False else forced_call_prefix(None if forced is True else forced)
+        kwargs = _template_kwargs(req, ctx.policy.tokenizer)
         overrides = [self._sampling(req, session, i) for i in range(req.n)]
         turns = await self._run(
-            session, lambda: [ctx.chat_turn(messages, tools=tools, **o) for o in overrides]
+            session,
+            lambda: [
+                ctx.chat_turn(messages, tools=tools, prefix=prefix, template_kwargs=kwargs, **o)
+                for o in overrides
+            ],
         )
+        headers = _check_format(req, turns)
         body = self._chat_body(req, turns)
         if req.stream:
-            return _sse(self._chat_chunks(req, body))
-        return JSONResponse(body)
+            return _sse(self._chat_chunks(req, body), headers)
+        return JSONResponse(body, headers=headers)
 
     async def completions(self, request: Request) -> Response:
         session = self._session(request)
@@ -308,6 +319,8 @@ class _API:
         choices = []
         for i, turn in enumerate(turns):
             message = dict(turn.message)
+            if message.get("tool_calls") and req.parallel_tool_calls is False:
+                message["tool_calls"] = message["tool_calls"][:1]
             if message.get("tool_calls") and not message["content"]:
                 message["content"] = None
             choice: dict[str, Any] = {
@@ -402,6 +415,36 @@ class _API:
         return [{**head, "choices": [choice]} for choice in body["choices"]]
 
 
+def _template_kwargs(req: ChatCompletionRequest, tok: Any) -> dict[str, Any] | None:
+    """The request's chat-template arguments; refused when this policy's template takes none."""
+    kwargs = req.template_kwargs
+    if not kwargs:
+        return None
+    params = inspect.signature(tok.apply_chat_template).parameters.values()
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        param = "chat_template_kwargs" if req.chat_template_kwargs else "reasoning_effort"
+        raise APIError(
+            400,
+            f"{param}: this policy's chat template takes no arguments; leave it unset",
+            param=param,
+            code="invalid_parameter",
+        )
+    return kwargs
+
+
+def _check_format(req: ChatCompletionRequest, turns: list[ChatTurn]) -> dict[str, str]:
+    """Check each reply against `response_format` (not enforced while sampling): the verdict goes
+    into the recorded step's info and the `X-Response-Format` header (`valid` or `invalid`)."""
+    if req.response_format is None or req.response_format.type == "text":
+        return {}
+    verdicts = []
+    for turn in turns:
+        error = format_error(req.response_format, turn.message.get("content"))
+        turn.step.info["response_format"] = {"type": req.response_format.type, "error": error}
+        verdicts.append("valid" if error is None else "invalid")
+    return {"X-Response-Format": ",".join(verdicts)}
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -421,12 +464,14 @@ def _token_logprobs(tok: Any, ids: list[int], logprobs: list[float]) -> list[dic
     return out
 
 
-def _sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
+def _sse(chunks: list[dict[str, Any]], headers: dict[str, str] | None = None) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         for chunk in chunks:
             yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(
-        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        events(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", **(headers or {})},
     )

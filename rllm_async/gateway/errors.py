@@ -7,6 +7,8 @@ from typing import Any
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from rllm_async.gateway.protocol import FieldError
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -53,12 +55,30 @@ def error_response(
 
 
 def invalid(e: ValidationError) -> APIError:
-    """A 400 naming the first invalid parameter of a request body."""
-    first = e.errors(include_url=False)[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
+    """A 400 naming the invalid parameter of a request body: a validator's `FieldError` names its
+    own; otherwise the deepest error's location, without the union members pydantic tried."""
+    errors = e.errors(include_url=False)
+    first = max(errors, key=lambda err: len(_param_path(err["loc"])))
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        return APIError(400, str(cause), param=cause.param, code="invalid_parameter")
+    param = ".".join(_param_path(first["loc"])) or None
     message = first["msg"]
     if first["type"] == "extra_forbidden":
         message = "unrecognized request argument (this server does not support it)"
     return APIError(
         400, f"{param}: {message}" if param else message, param=param, code="invalid_parameter"
     )
+
+
+def _param_path(loc: tuple[int | str, ...]) -> list[str]:
+    """A location as the client names it: `str`, `list[TextPart]`, `NamedToolChoice`, ... are the
+    union members pydantic tried, not fields (which are lower case)."""
+    return [
+        str(p)
+        for p in loc
+        if not (isinstance(p, str) and (p in _TAGS or "[" in p or p[:1].isupper()))
+    ]
+
+
+_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "literal"}

@@ -1,7 +1,9 @@
 """Request bodies the gateway accepts, as pydantic models (also the source of its OpenAPI document).
 
-Unknown fields are refused with a 400, like the OpenAI API does; a few fields that change nothing
-here (`user`, `metadata`, `store`, `parallel_tool_calls`, `service_tier`) are accepted and ignored.
+Each field of the `openai` package's `CompletionCreateParams` is implemented, accepted and ignored
+(it changes nothing the policy samples or the trainer learns: `user`, `metadata`, `store`,
+`service_tier`, `prompt_cache_key`, ...), or refused with a 400 naming it (docs/gateway.md lists
+which). Unknown fields are refused too, as the OpenAI API does.
 """
 
 from __future__ import annotations
@@ -15,13 +17,25 @@ MAX_STOP = 4
 MAX_SEED = 2**63 - 1
 
 
+class FieldError(ValueError):
+    """A model validator's error about one request field (`param` in the 400 the client gets)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class TextPart(_Strict):
+    """A text content part; prompt-caching hints (`cache_control`, ...) change nothing here."""
+
     type: Literal["text"]
     text: str
+    cache_control: dict[str, Any] | None = None
+    prompt_cache_breakpoint: dict[str, Any] | None = None
 
 
 class FunctionCall(BaseModel):
@@ -71,7 +85,44 @@ class ToolSpec(_Strict):
 
 
 class StreamOptions(_Strict):
+    """`include_usage` adds a usage chunk; `include_obfuscation` (padding against length side
+    channels) is accepted and ignored: chunks are never padded."""
+
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """`tool_choice` naming one function: its call is forced."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """`response_format`: not enforced while sampling; the reply is checked (docs/gateway.md)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise FieldError(
+                "response_format.json_schema", "give it exactly when type is json_schema"
+            )
+        return self
 
 
 class SamplingFields(_Strict):
@@ -92,15 +143,19 @@ class SamplingFields(_Strict):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    logit_bias: dict[str, int] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> SamplingFields:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if len(stops) > MAX_STOP or any(not s for s in stops):
-            raise ValueError(f"stop: at most {MAX_STOP} non-empty strings")
+            raise FieldError("stop", f"at most {MAX_STOP} non-empty strings")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
-                raise ValueError(f"{name} is not supported (only 0)")
+                raise FieldError(name, "is not supported (only 0)")
+        if self.logit_bias:
+            # The policy's sampler cannot apply it, and the trainer's logprobs assume it did not.
+            raise FieldError("logit_bias", "is not supported: the policy samples without biases")
         return self
 
     @property
@@ -113,17 +168,41 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolSpec] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = None
     parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    chat_template_kwargs: dict[str, Any] | None = None
+    modalities: list[Literal["text"]] | None = None
+    # Accepted and ignored: hints for OpenAI's own caching, abuse detection and verbosity.
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
     @model_validator(mode="after")
-    def _no_top_logprobs(self) -> ChatCompletionRequest:
+    def _supported_tools(self) -> ChatCompletionRequest:
         if self.top_logprobs:
-            raise ValueError(
-                "top_logprobs is not supported: the policy returns the sampled tokens' logprobs only"
+            raise FieldError(
+                "top_logprobs",
+                "is not supported: the policy returns the sampled tokens' logprobs only",
+            )
+        if self.tool_choice in (None, "auto", "none"):
+            return self
+        names = {t.function.name for t in self.tools or ()}
+        if not names:
+            raise FieldError("tool_choice", "forcing a tool call needs `tools`")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in (
+            names
+        ):
+            raise FieldError(
+                "tool_choice", f"no tool named {self.tool_choice.function.name!r} in `tools`"
             )
         return self
 
@@ -136,6 +215,21 @@ class ChatCompletionRequest(SamplingFields):
         if not self.tools or self.tool_choice == "none":
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def forced_tool(self) -> str | bool:
+        """The function whose call is forced, True for any (`required`), False for none."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice == "required"
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is rendered with (`chat_template_kwargs`, `reasoning_effort`)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
 
 class CompletionRequest(SamplingFields):
@@ -150,8 +244,8 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _no_top_logprobs(self) -> CompletionRequest:
         if self.logprobs:
-            raise ValueError(
-                "logprobs > 0 is not supported: use logprobs=0 for the sampled tokens' logprobs"
+            raise FieldError(
+                "logprobs", "> 0 is not supported: use logprobs=0 for the sampled tokens' logprobs"
             )
         return self
 

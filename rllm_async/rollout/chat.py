@@ -67,11 +67,30 @@ def message_text(content: Any) -> str:
     return str(content)
 
 
+def render(
+    tok: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The chat template's tokens; `template_kwargs` (e.g. `reasoning_effort`) go to it when given."""
+    tools_arg = list(tools) if tools else None
+    extra = template_kwargs or {}
+    return list(
+        tok.apply_chat_template(
+            messages, tools=tools_arg, add_generation_prompt=add_generation_prompt, **extra
+        )
+    )
+
+
 def continuation_ids(
     tok: Tokenizer,
     completion_ids: Sequence[int],
     new_messages: Sequence[dict[str, Any]],
     tools: Sequence[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Tokens that follow an assistant turn's exact `completion_ids` to render `new_messages`.
 
@@ -80,11 +99,8 @@ def continuation_ids(
     ChatML) come first, preceded by the EOS itself when the completion did not end with it
     (a length- or stop-string-truncated reply).
     """
-    tools_arg = list(tools) if tools else None
-    base = tok.apply_chat_template(list(_BASE), tools=tools_arg, add_generation_prompt=False)
-    full = tok.apply_chat_template(
-        [*_BASE, *template_messages(new_messages)], tools=tools_arg, add_generation_prompt=True
-    )
+    base = render(tok, list(_BASE), tools, template_kwargs, add_generation_prompt=False)
+    full = render(tok, [*_BASE, *template_messages(new_messages)], tools, template_kwargs)
     if full[: len(base)] != base:
         raise ValueError("the chat template does not render new turns as a suffix of the history")
     eos = tok.eos_token_id
@@ -118,20 +134,23 @@ class ChatHistory:
         tools: Sequence[dict[str, Any]] | None,
         prompt_ids: list[int],
         completion_ids: list[int],
+        template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         keys = tuple(message_key(m) for m in (*messages, reply))
-        self._tips.append(_Tip(keys, _tools_key(tools), prompt_ids, completion_ids))
+        tools_key = _tools_key(tools, template_kwargs)
+        self._tips.append(_Tip(keys, tools_key, prompt_ids, completion_ids))
 
     def prompt(
         self,
         tok: Tokenizer,
         messages: Sequence[dict[str, Any]],
         tools: Sequence[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], bool]:
         """The prompt for `messages`: an earlier reply's exact tokens extended by the new turns
         when `messages` continue that reply's chat (True), else a fresh rendering (False)."""
         keys = tuple(message_key(m) for m in messages)
-        tools_key = _tools_key(tools)
+        tools_key = _tools_key(tools, template_kwargs)
         best = None
         for tip in self._tips:
             n = len(tip.keys)
@@ -140,16 +159,17 @@ class ChatHistory:
                 best = tip
         if best is not None:
             try:
-                tail = continuation_ids(tok, best.completion_ids, messages[len(best.keys) :], tools)
+                new = messages[len(best.keys) :]
+                tail = continuation_ids(tok, best.completion_ids, new, tools, template_kwargs)
             except ValueError:
                 pass  # a template that cannot render a suffix: render the whole chat
             else:
                 return [*best.prompt_ids, *best.completion_ids, *tail], True
-        rendered = tok.apply_chat_template(
-            template_messages(messages), tools=list(tools) if tools else None
-        )
-        return list(rendered), False
+        return render(tok, template_messages(messages), tools, template_kwargs), False
 
 
-def _tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
-    return json.dumps(list(tools or ()), sort_keys=True, default=str)
+def _tools_key(
+    tools: Sequence[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None
+) -> str:
+    """What else than the messages a rendering depends on."""
+    return json.dumps([list(tools or ()), template_kwargs or {}], sort_keys=True, default=str)

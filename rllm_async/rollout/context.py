@@ -193,12 +193,16 @@ class RolloutContext:
         *,
         tools: list[dict[str, Any]] | None = None,
         actor: str = "default",
+        prefix: str = "",
+        template_kwargs: dict[str, Any] | None = None,
         **sampling: Any,
     ) -> ChatTurn:
         """One chat call, token-in/token-out: when `messages` continue an earlier reply of `actor`
         (its call's messages, then the reply), the prompt is that call's exact prompt + completion
         tokens followed by the rendering of only the new messages; otherwise the whole chat is
         rendered. With `tools`, tool calls in the reply are parsed into OpenAI-style `tool_calls`.
+        `prefix` opens the reply in the prompt (a forced tool call): its tokens are prompt tokens,
+        never trained as the model's choice. `template_kwargs` go to the chat template.
 
         The step keeps a deep copy of `messages` as they were at this call. Raises
         `ContextLengthError` when the prompt does not fit the policy's context and
@@ -207,11 +211,12 @@ class RolloutContext:
         tok = self.policy.tokenizer
         history = self._chats.setdefault(actor, ChatHistory())
         try:
-            prompt_ids, extended = history.prompt(tok, messages, tools)
+            prompt_ids, extended = history.prompt(tok, messages, tools, template_kwargs)
         except Exception as e:  # templates raise anything, jinja2 errors included
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from e
+        prompt_ids += tok.encode(prefix)
         out, step = await self._generate(prompt_ids, actor, messages, sampling)
-        text = cut_at_stop(tok.decode(out.ids), sampling.get("stop", self.sampling.stop))
+        text = prefix + cut_at_stop(tok.decode(out.ids), sampling.get("stop", self.sampling.stop))
         message: dict[str, Any] = {"role": "assistant", "content": text}
         errors: list[str] = []
         if tools:
@@ -221,7 +226,9 @@ class RolloutContext:
             if parsed.tool_calls:
                 message["tool_calls"] = parsed.tool_calls
         step.info["extended"] = extended
-        history.add(messages, message, tools, step.prompt_ids, step.completion_ids)
+        if prefix:
+            step.info["forced_prefix"] = prefix
+        history.add(messages, message, tools, step.prompt_ids, step.completion_ids, template_kwargs)
         return ChatTurn(copy.deepcopy(message), step, errors, extended)
 
     async def _wait_out_sync(self) -> None:

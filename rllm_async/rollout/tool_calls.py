@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +65,7 @@ def parse_tool_calls(text: str, names: set[str], *, id_prefix: str = "call") -> 
         name, arguments = call
         calls.append(
             {
-                "id": f"{id_prefix}_{len(calls)}",
+                "id": f"{id_prefix}_{secrets.token_hex(8)}",  # unique: agents key history on it
                 "type": "function",
                 "function": {"name": name, "arguments": json.dumps(arguments)},
             }
@@ -72,6 +73,12 @@ def parse_tool_calls(text: str, names: set[str], *, id_prefix: str = "call") -> 
     kept.append(text[pos:])
     content = "".join(kept)
     return ParsedReply(content.strip() if calls else content, calls, errors)
+
+
+def forced_call_prefix(name: str | None) -> str:
+    """The opening of a tool call that a request forces: of `name`'s call, or of any call."""
+    opening = f'{TOOL_CALL_OPEN}{{"name": "'
+    return opening if name is None else f'{opening}{name}", "arguments": '
 
 
 def _decode_call(body: str, names: set[str]) -> tuple[Any, str | None]:
