@@ -387,3 +387,21 @@ def test_the_example_openai_agent_solves_a_task_through_a_session() -> None:
             return result
 
     assert asyncio.run(go()) == (1.0, True)
+
+
+def test_serve_defaults_to_the_policys_whole_context(tmp_path: Path) -> None:
+    from rllm_async.config import load_config
+    from rllm_async.gateway.serve import SERVE_CONTEXT_TOKENS, full_context
+
+    config = full_context(load_config(None, []))
+    backend = LocalBackend.from_config(config)
+    try:
+        assert backend.policy().max_context_tokens == SERVE_CONTEXT_TOKENS
+    finally:
+        asyncio.run(backend.close())
+    # A checkpoint with a shorter context keeps it; a configured max_seq_len wins.
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 1024}))
+    short = full_context(load_config(None, [f"backend.model_path={tmp_path}"]))
+    assert short.backend.options["max_seq_len"] == 1024
+    given = full_context(load_config(None, ["backend.max_seq_len=64"]))
+    assert given.backend.options["max_seq_len"] == 64

@@ -8,8 +8,12 @@ from pathlib import Path
 from rllm_async.backends import get_backend_factory
 from rllm_async.backends.base import SamplingParams
 from rllm_async.checkpoint import load as load_checkpoint
-from rllm_async.config import Config, ConfigError
+from rllm_async.config import BackendConfig, Config, ConfigError
 from rllm_async.gateway.server import Gateway
+
+# `serve`'s context when the config sets no `backend.max_seq_len` (training's default, 256 tokens,
+# is too short for an agent's first request); a checkpoint with a shorter one keeps its own.
+SERVE_CONTEXT_TOKENS = 4096
 
 
 async def serve(
@@ -26,7 +30,7 @@ async def serve(
     factory = get_backend_factory(config.backend.name)
     if getattr(factory, "virtual_clock", False):
         raise ConfigError(f"backend {config.backend.name} runs on a virtual clock and cannot serve")
-    backend = factory.from_config(config)
+    backend = factory.from_config(full_context(config))
     try:
         if checkpoint is not None:
             await load_checkpoint(checkpoint, backend)
@@ -51,3 +55,21 @@ async def serve(
             await gateway.stop()
     finally:
         await backend.close()
+
+
+def full_context(config: Config) -> Config:
+    """`config` with the local policy's whole context (`SERVE_CONTEXT_TOKENS`, or its checkpoint's
+    own limit when smaller) unless `backend.max_seq_len` is set."""
+    options = config.backend.options
+    if config.backend.name != "local" or "max_seq_len" in options:
+        return config
+    limit = SERVE_CONTEXT_TOKENS
+    if options.get("model_path"):
+        checkpoint = Path(options["model_path"]).expanduser() / "config.json"
+        if checkpoint.is_file():
+            hf = json.loads(checkpoint.read_text())
+            for key in ("max_position_embeddings", "sliding_window"):
+                if isinstance(hf.get(key), int):
+                    limit = min(limit, hf[key])
+    backend = BackendConfig.model_validate({**config.backend.model_dump(), "max_seq_len": limit})
+    return config.model_copy(update={"backend": backend})
