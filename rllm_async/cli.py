@@ -8,10 +8,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from rllm_async.backends.base import BackendError
 from rllm_async.config import ConfigError, load_config
 from rllm_async.coordinator import StallError, SyncTimeoutError
 from rllm_async.data import DataError
-from rllm_async.engines.vllm.errors import VLLMServerError
 from rllm_async.health import FailureRateError, NoSignalError
 
 DEFAULT_CONFIG = Path("examples/countdown/local_async.yaml")
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"rllm-async: error: {e}", file=sys.stderr)
         return 2
-    except (FailureRateError, NoSignalError, StallError, SyncTimeoutError, VLLMServerError) as e:
+    except (BackendError, FailureRateError, NoSignalError, StallError, SyncTimeoutError) as e:
         print(f"rllm-async: the run stopped: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -27,8 +27,6 @@ CONCRETE = ("backends.local", "backends.tinker", "backends.verl", "backends.sim"
 KNOWN_CORE_TO_CONCRETE = {
     # `rllm-async simulate` compares async with sync runs on the sim backend itself.
     ("rllm_async.simulate", "rllm_async.backends.sim"),
-    # The CLI reports a failed vLLM server as a stopped run, not a crash.
-    ("rllm_async.cli", "rllm_async.engines.vllm.errors"),
 }
 
 

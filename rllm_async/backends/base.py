@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from rllm_async.config import Config, LossConfig
 
 
+class BackendError(RuntimeError):
+    """An engine or service behind a backend failed for good (a server gone, a refused start);
+    the message names it and what to do. The CLI reports it and stops the run."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to sample one completion."""

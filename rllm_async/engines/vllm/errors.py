@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rllm_async.backends.base import BackendError
 
-class VLLMServerError(RuntimeError):
+
+class VLLMServerError(BackendError):
     """A vLLM server failed to start, refused a request, or could not be reached."""
