@@ -405,3 +405,38 @@ def test_serve_defaults_to_the_policys_whole_context(tmp_path: Path) -> None:
     assert short.backend.options["max_seq_len"] == 1024
     given = full_context(load_config(None, ["backend.max_seq_len=64"]))
     assert given.backend.options["max_seq_len"] == 64
+
+
+def test_one_client_serves_every_session_by_header_or_api_key() -> None:
+    policy = ScriptedPolicy(lambda prompt: "a")
+
+    async def go() -> None:
+        async with serving(policy) as gateway:
+            a, b = gateway.session(context(policy)), gateway.session(context(policy))
+            async with openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=KEY) as client:
+                # The gateway's key and a header naming the session.
+                await client.chat.completions.create(**CHAT, extra_headers={"X-Session-Id": a.id})
+                # The session's own key, on the same HTTP client.
+                keyed = client.with_options(api_key=b.key)
+                await keyed.chat.completions.create(**CHAT)
+                await keyed.chat.completions.create(**CHAT)
+                # No session named: answered, recorded nowhere.
+                await client.chat.completions.create(**CHAT)
+                with pytest.raises(openai.PermissionDeniedError):
+                    await keyed.chat.completions.create(
+                        **CHAT, extra_headers={"X-Session-Id": a.id}
+                    )
+                gateway.sessions.close(b.id)
+                with pytest.raises(openai.AuthenticationError):  # a closed session's key
+                    await keyed.chat.completions.create(**CHAT)
+            assert len(a.ctx.trajectory().steps) == 1 and len(b.ctx.trajectory().steps) == 2
+            # A standalone session comes with its key.
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {KEY}"}) as http:
+                opened = (await http.post(f"{gateway.url}/sessions", json={})).json()
+            async with openai.AsyncOpenAI(
+                base_url=f"{gateway.url}/v1", api_key=opened["api_key"]
+            ) as client:
+                await client.chat.completions.create(**CHAT)
+            assert gateway.sessions.get(opened["id"]).calls == 1
+
+    asyncio.run(go())

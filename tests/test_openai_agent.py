@@ -12,29 +12,33 @@ from rllm_async.config import config_from_dict
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
 from rllm_async.workflows import OpenAIAgentWorkflow
+from rllm_async.workflows.openai_agent import openai_client
 
 openai = pytest.importorskip("openai")
 
 
 async def agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
-    """Two turns of chat; in between, a garbage body, a call on an unknown session and a prompt
-    over the context, each answered with its error while training goes on."""
-    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
-        messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
-        first = await client.chat.completions.create(model="policy", messages=messages)
-        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}) as http:
-            bad = await http.post(f"{base_url}/chat/completions", content=b"{oops")
-            assert bad.status_code == 400
-            root = base_url.split("/sessions/")[0]
-            gone = await http.post(f"{root}/sessions/nope/v1/chat/completions", json={})
-            assert gone.status_code == 404
-        with pytest.raises(openai.BadRequestError, match="context"):
-            await client.chat.completions.create(
-                model="policy", messages=[{"role": "user", "content": "x" * 100}]
-            )
-        messages += [first.choices[0].message.model_dump(exclude_none=True)]
-        messages += [{"role": "user", "content": "again"}]
-        second = await client.chat.completions.create(model="policy", messages=messages)
+    """Two turns of chat on the workflow's shared HTTP client (the session named by the API key,
+    the base URL the same for every rollout); in between, a garbage body, a call naming an unknown
+    session and a prompt over the context, each answered with its error while training goes on."""
+    assert base_url.endswith("/v1") and "/sessions/" not in base_url
+    client = openai_client(base_url, api_key, max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
+    first = await client.chat.completions.create(model="policy", messages=messages)
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {api_key}"}) as http:
+        bad = await http.post(f"{base_url}/chat/completions", content=b"{oops")
+        assert bad.status_code == 400
+        gone = await http.post(
+            f"{base_url}/chat/completions", json={}, headers={"X-Session-Id": "nope"}
+        )
+        assert gone.status_code == 404
+    with pytest.raises(openai.BadRequestError, match="context"):
+        await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": "x" * 100}]
+        )
+    messages += [first.choices[0].message.model_dump(exclude_none=True)]
+    messages += [{"role": "user", "content": "again"}]
+    second = await client.chat.completions.create(model="policy", messages=messages)
     text = (first.choices[0].message.content or "") + (second.choices[0].message.content or "")
     return sum(ch.isdigit() for ch in text) / max(1, len(text))
 
@@ -46,11 +50,13 @@ class Recorded(OpenAIAgentWorkflow):
         super().__init__(**kwargs)
         self.episodes: list[Episode] = []
         self.most_open = 0
+        self.http_clients: set[int] = set()
 
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
         episode = await super().run(task, ctx)
         assert self.gateway is not None
         self.most_open = max(self.most_open, len(self.gateway.sessions))
+        self.http_clients.add(id(self.http))
         self.episodes.append(episode)
         return episode
 
@@ -87,4 +93,5 @@ def test_training_through_the_gateway_rebuilds_trajectories_from_its_records(tmp
         assert all(len(s.logprobs) == len(s.versions) == len(s.completion_ids) for s in traj.steps)
         assert episode.metrics["calls"] == 3  # the oversized one counts, and recorded nothing
     assert 1 <= workflow.most_open <= 8  # sessions are freed as their episodes end
-    assert workflow.gateway is None  # stopped when training ended
+    assert len(workflow.http_clients) == 1  # one HTTP client served every rollout
+    assert workflow.gateway is None and workflow.http is None  # stopped when training ended

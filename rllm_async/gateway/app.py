@@ -35,6 +35,7 @@ from rllm_async.rollout.chat import cut_at_stop
 from rllm_async.rollout.tool_calls import forced_call_prefix
 
 log = logging.getLogger("rllm_async.gateway")
+SESSION_HEADER = "x-session-id"
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 Handler = Callable[[Request], Awaitable[Response]]
@@ -101,8 +102,7 @@ class _API:
     def endpoint(self, fn: Handler, *, auth: bool = True) -> Handler:
         async def run(request: Request) -> Response:
             try:
-                if auth:
-                    self._authorize(request)
+                request.state.keyed = self._authorize(request) if auth else None
                 return await fn(request)
             except APIError as e:
                 return e.response()
@@ -113,16 +113,21 @@ class _API:
 
         return run
 
-    def _authorize(self, request: Request) -> None:
+    def _authorize(self, request: Request) -> Session | None:
+        """Check the API key: the gateway's, or a session's (which names that session)."""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        bearer = token.strip() if scheme.lower() == "bearer" else ""
+        keyed = self.gw.sessions.by_key(bearer) if bearer else None
         key = self.gw.api_key
-        if key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), key.encode()):
+        if (
+            keyed is None
+            and key is not None
+            and not hmac.compare_digest(bearer.encode(), key.encode())
+        ):
             raise APIError(
                 401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key"
             )
+        return keyed
 
     # -- reading requests -----------------------------------------------------------------------
 
@@ -148,8 +153,18 @@ class _API:
             raise APIError(400, "the body is nested too deeply", code="invalid_json") from None
 
     def _session(self, request: Request) -> Session | None:
-        sid = request.path_params.get("sid")
-        return None if sid is None else self.gw.sessions.get(sid)
+        """The session a call records into: named by the path, the `X-Session-Id` header or the
+        API key (one of them, or several that agree), else none."""
+        keyed: Session | None = request.state.keyed
+        sid = request.path_params.get("sid") or request.headers.get(SESSION_HEADER)
+        if sid is None:
+            return keyed
+        session = self.gw.sessions.get(sid)
+        if keyed is not None and keyed is not session:
+            raise APIError(
+                403, "the API key belongs to another session", code="session_key_mismatch"
+            )
+        return session
 
     def _check_model(self, name: str) -> None:
         if name != self.gw.model:
@@ -238,10 +253,12 @@ class _API:
             )
         req = await self._body(request, OpenSessionRequest)
         session = self.gw.open_session(req.ttl_s)
-        return JSONResponse(
-            {"id": session.id, "base_url": self.gw.session_url(session.id, request)},
-            status_code=201,
-        )
+        body = {
+            "id": session.id,
+            "base_url": self.gw.session_url(session.id, request),
+            "api_key": session.key,
+        }
+        return JSONResponse(body, status_code=201)
 
     async def get_session(self, request: Request) -> Response:
         session = self._session(request)

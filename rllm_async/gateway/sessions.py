@@ -31,6 +31,9 @@ class Session:
     ctx: RolloutContext
     locked: bool
     max_calls: int
+    # An API key that names this session, so one client with the plain `/v1` base URL serves
+    # every rollout (`Authorization: Bearer <key>`).
+    key: str = field(default_factory=lambda: f"sk-session-{secrets.token_urlsafe(24)}")
     created: float = field(default_factory=time.time)
     calls: int = 0
     closed: bool = False
@@ -98,6 +101,7 @@ class SessionStore:
         self.max_calls = max_calls
         self.export_path = export_path
         self._open: dict[str, Session] = {}
+        self._by_key: dict[str, Session] = {}
 
     def __len__(self) -> int:
         return len(self._open)
@@ -113,7 +117,12 @@ class SessionStore:
             )
         session = Session(secrets.token_hex(12), ctx, locked, self.max_calls)
         self._open[session.id] = session
+        self._by_key[session.key] = session
         return session
+
+    def by_key(self, key: str) -> Session | None:
+        """The open session whose API key is `key`."""
+        return self._by_key.get(key)
 
     def get(self, session_id: str) -> Session:
         session = self._open.get(session_id)
@@ -126,6 +135,7 @@ class SessionStore:
         session = self._open.pop(session_id, None)
         if session is None:
             return None
+        del self._by_key[session.key]
         session.close()
         if self.export_path is not None:
             with self.export_path.open("a") as f:

@@ -127,25 +127,26 @@ class CalculatorAgent(Workflow):
 
 
 async def openai_agent(base_url: str, api_key: str, task: dict[str, Any]) -> tuple[float, bool]:
-    """The same agent as a plain `openai` client loop (for `OpenAIAgentWorkflow`)."""
-    from openai import AsyncOpenAI
+    """The same agent as a plain `openai` client loop (for `OpenAIAgentWorkflow`), on the
+    workflow's shared HTTP client."""
+    from rllm_async.workflows.openai_agent import openai_client
 
-    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
-        messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
-        tools: list[Any] = [CALC_SCHEMA]
-        for _ in range(MAX_TURNS):
-            response = await client.chat.completions.create(
-                model="policy", messages=messages, tools=tools, max_tokens=96
-            )
-            message = response.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))
-            if not message.tool_calls:
-                break
-            for call in message.tool_calls:
-                fn = getattr(call, "function", None)  # custom (non-function) calls have none
-                try:
-                    result = calc(**json.loads(fn.arguments)) if fn else "error: not a function"
-                except (ValueError, TypeError) as e:
-                    result = f"error: {e}"
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    client = openai_client(base_url, api_key, max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": task["prompt"]}]
+    tools: list[Any] = [CALC_SCHEMA]
+    for _ in range(MAX_TURNS):
+        response = await client.chat.completions.create(
+            model="policy", messages=messages, tools=tools, max_tokens=96
+        )
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            break
+        for call in message.tool_calls:
+            fn = getattr(call, "function", None)  # custom (non-function) calls have none
+            try:
+                result = calc(**json.loads(fn.arguments)) if fn else "error: not a function"
+            except (ValueError, TypeError) as e:
+                result = f"error: {e}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return reward(task, messages)
