@@ -18,8 +18,6 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import httpx
-
 from rllm_async.backends.base import PolicyClient
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
@@ -27,12 +25,12 @@ from rllm_async.workflows.base import Workflow
 from rllm_async.workflows.callables import load, score
 
 if TYPE_CHECKING:
-    from openai import AsyncOpenAI
+    from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
     from rllm_async.gateway import Gateway
 
 AgentFn = Callable[[str, str, dict[str, Any]], Awaitable[Any]]
-_HTTP: contextvars.ContextVar[httpx.AsyncClient | None] = contextvars.ContextVar(
+_HTTP: contextvars.ContextVar[DefaultAsyncHttpxClient | None] = contextvars.ContextVar(
     "rllm_async_http", default=None
 )
 
@@ -75,7 +73,7 @@ class OpenAIAgentWorkflow(Workflow):
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.max_calls_per_session = max_calls_per_session
         self.gateway: Gateway | None = None
-        self.http: httpx.AsyncClient | None = None  # every rollout's agent shares it
+        self.http: DefaultAsyncHttpxClient | None = None  # every rollout's agent shares it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._starting: asyncio.Lock | None = None
 
@@ -122,9 +120,7 @@ class OpenAIAgentWorkflow(Workflow):
                 )
                 await gateway.start(self.host, self.port)
                 self.gateway = gateway
-                # No connection limit: every rollout in flight may have a call open.
-                limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
-                self.http = httpx.AsyncClient(limits=limits, timeout=None)
+                self.http = _http_client()
             return self.gateway
 
     async def close(self) -> None:
@@ -135,3 +131,12 @@ class OpenAIAgentWorkflow(Workflow):
             if self.gateway is not None:
                 await self.gateway.stop()
         self.gateway, self.http = None, None
+
+
+def _http_client() -> DefaultAsyncHttpxClient | None:
+    """The `openai` package's HTTP client (its httpx flavour, limits and timeouts), when installed."""
+    try:
+        from openai import DefaultAsyncHttpxClient
+    except ImportError:
+        return None
+    return DefaultAsyncHttpxClient()
