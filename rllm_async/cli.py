@@ -99,7 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
     from rllm_async import checkpoint
-    from rllm_async.gateway.serve import serve
+    from rllm_async.serve import serve
 
     path, overrides = _split_args(args.rest)
     found: Path | None = None

@@ -391,7 +391,7 @@ def test_the_example_openai_agent_solves_a_task_through_a_session() -> None:
 
 def test_serve_defaults_to_the_policys_whole_context(tmp_path: Path) -> None:
     from rllm_async.config import load_config
-    from rllm_async.gateway.serve import SERVE_CONTEXT_TOKENS, full_context
+    from rllm_async.serve import SERVE_CONTEXT_TOKENS, full_context
 
     config = full_context(load_config(None, []))
     backend = LocalBackend.from_config(config)

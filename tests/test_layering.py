@@ -64,6 +64,11 @@ def test_gateway_and_backends_never_import_workflows() -> None:
     assert {(s, t) for s, t in _imports_of("gateway", "backends") if _in(t, "workflows")} == set()
 
 
+def test_the_gateway_imports_only_the_rollout_layer_and_below() -> None:
+    below = ("gateway", "rollout", "backends.base", "types", "config")
+    assert {(s, t) for s, t in _imports_of("gateway") if not _in(t, *below)} == set()
+
+
 @pytest.mark.parametrize("fmt", ["text", "mermaid", "dot"])
 def test_the_graph_renders(fmt: str) -> None:
     out = ig.render(ig.layer_graph(GRAPH), fmt)
