@@ -11,12 +11,20 @@ Prints one JSON line:
   concurrent sessions, each a client loop in this process on its own keep-alive connection;
   server_cpu_ms_per_call: the gateway process's CPU time per call meanwhile (a figure that does
   not depend on what else shares the machine);
+- shared_client_* / client_per_rollout_*: rollouts of 4 chat calls each, 256 at a time, on the
+  gateway in its own process, every rollout in its own session, with the official `openai` client:
+  one shared client (the session named by its API key, `with_options`) against a new client per
+  rollout (the session in its base URL; built and closed by the rollout). `_call_p50_ms` /
+  `_call_p99_ms`: one call as the agent sees it, client construction included in the first call
+  of a rollout; `_calls_per_s`: calls completed per second; `client_construct_ms`: building one
+  `AsyncOpenAI` without an HTTP client to share;
 - alloc_blocks_per_1000_sessions: live Python memory blocks of a process running the gateway after
   each 1,000 of 10,000 sessions, each opened, called once and closed (flat: nothing accumulates);
   rss_mb_first_last: its resident memory before and after; open_sessions_after: sessions left open; alloc_blocks_2048_left_open and
   blocks_per_open_session: the control, 2,048 more sessions called once and left open.
 
 Usage: python benchmarks/gateway_overhead.py [--calls 1000] [--seconds 10] [--sessions 10000]
+       [--rollouts 2048]
 """
 
 from __future__ import annotations
@@ -249,6 +257,58 @@ async def memory(sessions: int, concurrency: int = 32) -> dict[str, object]:
     }
 
 
+async def _rollouts(
+    url: str, http: httpx.AsyncClient, shared: AsyncOpenAI | None, n: int, concurrency: int
+) -> tuple[list[float], float]:
+    """`n` rollouts of 4 chat calls, `concurrency` at a time, each in a session of its own: on
+    `shared` (the session named by its API key), else on a client of their own; the call times
+    (ms) and the seconds they took."""
+    gate = asyncio.Semaphore(concurrency)
+    times: list[float] = []
+
+    async def rollout() -> None:
+        async with gate:
+            session = (await http.post(f"{url}/sessions", json={})).json()
+            t0 = time.perf_counter()
+            if shared is not None:
+                client = shared.with_options(api_key=session["api_key"])
+            else:
+                client = AsyncOpenAI(base_url=session["base_url"], api_key="-", max_retries=0)
+            for _ in range(4):
+                await client.chat.completions.create(**CHAT)  # type: ignore[call-overload]
+                times.append((time.perf_counter() - t0) * 1e3)
+                t0 = time.perf_counter()
+            if shared is None:
+                await client.close()
+            await http.delete(f"{url}/sessions/{session['id']}")
+
+    start = time.perf_counter()
+    await asyncio.gather(*(rollout() for _ in range(n)))
+    return times, time.perf_counter() - start
+
+
+async def clients(url: str, rollouts: int, concurrency: int = 256) -> dict[str, float]:
+    """Rollouts of 4 calls, `concurrency` at a time: one shared `openai` client vs one each."""
+    out: dict[str, float] = {}
+    async with httpx.AsyncClient(timeout=60) as http:
+        for mode in ("shared_client", "client_per_rollout"):
+            shared = None
+            if mode == "shared_client":
+                shared = AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
+            await _rollouts(url, http, shared, concurrency, concurrency)  # warm-up
+            times, elapsed = await _rollouts(url, http, shared, rollouts, concurrency)
+            if shared is not None:
+                await shared.close()
+            out[f"{mode}_call_p50_ms"] = _pct(times, 50)
+            out[f"{mode}_call_p99_ms"] = _pct(times, 99)
+            out[f"{mode}_calls_per_s"] = round(len(times) / elapsed, 1)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        await AsyncOpenAI(base_url=f"{url}/v1", api_key="-").close()
+    out["client_construct_ms"] = round((time.perf_counter() - t0) * 1e3 / 20, 2)
+    return out
+
+
 async def main(args: argparse.Namespace) -> dict[str, object]:
     out: dict[str, object] = dict(await latency(args.calls))
     child = subprocess.Popen(
@@ -258,6 +318,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         assert child.stdout is not None
         url = child.stdout.readline().strip()
         out.update(await throughput(url, child.pid, args.seconds))
+        out.update(await clients(url, args.rollouts))
     finally:
         child.terminate()
         child.wait(10)
@@ -270,6 +331,7 @@ if __name__ == "__main__":
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--sessions", type=int, default=10_000)
+    parser.add_argument("--rollouts", type=int, default=2048)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
