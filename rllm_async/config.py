@@ -79,6 +79,9 @@ class CoordinatorConfig(_Section):
     sync_timeout_s: float = Field(default=600.0, gt=0.0)
     sync_retries: int = Field(default=1, ge=0)
     sync_warmup_steps: int = Field(default=0, ge=0)
+    # The engine gets new weights every N optimizer steps (and after the last); versions still
+    # count optimizer steps, so tokens keep the version of the weights that sampled them.
+    sync_every: int = Field(default=1, ge=1)
     stall_timeout_s: float = Field(default=3600.0, gt=0.0)
 
 
@@ -87,6 +90,20 @@ class TrainConfig(_Section):
     total_epochs: int | None = Field(default=None, ge=1)  # null: cycle the data until total_steps
     groups_per_step: int = Field(default=16, ge=1)
     micro_batch_groups: int = Field(default=4, ge=1)
+    # Each step's groups split into `mini_batches` optimizer steps, passed over `epochs_per_batch`
+    # times (PPO-style reuse; the sampler's logprobs stay the behaviour policy).
+    mini_batches: int = Field(default=1, ge=1)
+    epochs_per_batch: int = Field(default=1, ge=1)
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps (policy versions) per `groups_per_step` groups."""
+        return self.mini_batches * self.epochs_per_batch
+
+    @property
+    def groups_per_update(self) -> int:
+        """Groups per optimizer step."""
+        return self.groups_per_step // self.mini_batches
 
 
 class LossConfig(_Section):
@@ -101,6 +118,8 @@ class LossConfig(_Section):
     is_cap: float = Field(default=2.0, gt=0.0)
     opsm_kl_threshold: float | None = Field(default=None, gt=0.0)  # null: no off-policy mask
     kl_coef: float = Field(default=0.0, ge=0.0)
+    # Weight the k3 penalty by the importance ratio to the sampler: unbiased under off-policy samples.
+    kl_bias_correction: bool = False
 
 
 class AlgorithmConfig(_Section):
@@ -185,15 +204,34 @@ class Config(_Section):
                 raise ValueError(
                     "mode: sync needs coordinator.weight_update: pin; use mode: async for latest"
                 )
+            if co.sync_every != 1:
+                raise ValueError(
+                    f"mode: sync samples every step with the weights just trained, but "
+                    f"coordinator.sync_every is {co.sync_every}: remove it, or use mode: async "
+                    f"with coordinator.pipeline_depth: 0 and max_staleness: {co.sync_every - 1} "
+                    "(sync_every - 1)"
+                )
             # sync is async with d=0, K=0, pin: one code path.
             object.__setattr__(co, "pipeline_depth", 0)
             object.__setattr__(co, "max_staleness", 0)
             object.__setattr__(co, "weight_update", "pin")
-        if co.max_staleness is not None and co.max_staleness < co.pipeline_depth:
+        _check_batches(tr, self.eval, self.checkpoint)
+        # The oldest weights a trained group can come from: d batches of optimizer steps back,
+        # and up to sync_every - 1 steps more when the engine is not synced every step.
+        reach = co.pipeline_depth * tr.updates_per_batch + co.sync_every - 1
+        if co.max_staleness is not None and co.max_staleness < reach:
+            parts = [f"coordinator.pipeline_depth ({co.pipeline_depth})"]
+            if tr.updates_per_batch > 1:
+                parts[0] += (
+                    f" x train.mini_batches ({tr.mini_batches}) x train.epochs_per_batch "
+                    f"({tr.epochs_per_batch})"
+                )
+            if co.sync_every > 1:
+                parts.append(f"coordinator.sync_every ({co.sync_every}) - 1")
             raise ValueError(
-                f"coordinator.max_staleness ({co.max_staleness}) must be >= coordinator."
-                f"pipeline_depth ({co.pipeline_depth}): raise max_staleness to "
-                f"{co.pipeline_depth} or more, set it to null (no hard bound), or lower pipeline_depth"
+                f"coordinator.max_staleness ({co.max_staleness}) must be >= {' + '.join(parts)}: "
+                f"raise max_staleness to {reach} or more, set it to null (no hard bound), or lower "
+                + " or ".join(p.split(" (")[0] for p in parts)
             )
         attempts_s = ro.timeout_s * (ro.retries + 1)
         if co.stall_timeout_s < attempts_s:
@@ -211,20 +249,46 @@ class Config(_Section):
                 f"rollout.min_group_size ({ro.min_group_size}) cannot exceed rollout.group_size "
                 f"({ro.group_size}): lower min_group_size or raise group_size"
             )
-        if tr.micro_batch_groups > tr.groups_per_step:
+        if tr.micro_batch_groups > tr.groups_per_update:
             if "micro_batch_groups" in tr.model_fields_set:
+                per = "train.groups_per_step"
+                if tr.mini_batches > 1:
+                    per += " / train.mini_batches"
                 raise ValueError(
                     f"train.micro_batch_groups ({tr.micro_batch_groups}) cannot exceed "
-                    f"train.groups_per_step ({tr.groups_per_step}): lower micro_batch_groups"
+                    f"{per} ({tr.groups_per_update}): lower micro_batch_groups"
                 )
             object.__setattr__(
-                tr, "micro_batch_groups", tr.groups_per_step
+                tr, "micro_batch_groups", tr.groups_per_update
             )  # the default follows small steps
         return self
 
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir) / self.name
+
+
+def _check_batches(tr: TrainConfig, ev: EvalConfig, ck: CheckpointConfig) -> None:
+    """Several optimizer steps per batch: the batch splits evenly, and step counts fall on batch
+    ends (records, evaluations and checkpoints happen there)."""
+    if tr.groups_per_step % tr.mini_batches:
+        raise ValueError(
+            f"train.groups_per_step ({tr.groups_per_step}) must split evenly into "
+            f"train.mini_batches ({tr.mini_batches}): make groups_per_step a multiple of it"
+        )
+    per = tr.updates_per_batch
+    if per == 1:
+        return
+    for key, value in (
+        ("train.total_steps", tr.total_steps),
+        ("eval.every_steps", ev.every_steps),
+        ("checkpoint.every_steps", ck.every_steps),
+    ):
+        if value % per:
+            raise ValueError(
+                f"{key} ({value}) counts optimizer steps, and each batch takes train.mini_batches "
+                f"x train.epochs_per_batch = {per} of them: make it a multiple of {per}"
+            )
 
 
 def load_config(

@@ -95,9 +95,10 @@ class _BusyMeter:
 class SyncCoordinator:
     """Admission by `pipeline_depth`, the hard bound `max_staleness`, and weight sync as a transaction.
 
-    A group may be dispatched while `consumed + in_flight + buffered < (version + d + 1) *
-    groups_per_step`; filtered, failed and dropped groups free their slot at once. All waits are
-    event-driven: every state change wakes the waiters, and every wait has a deadline.
+    A group may be dispatched while `consumed + in_flight + buffered < (batch + d + 1) *
+    groups_per_step`, where `batch = version // updates_per_batch` counts trained batches (versions
+    count optimizer steps); filtered, failed and dropped groups free their slot at once. All waits
+    are event-driven: every state change wakes the waiters, and every wait has a deadline.
     """
 
     def __init__(
@@ -106,10 +107,13 @@ class SyncCoordinator:
         groups_per_step: int,
         on_policy_updated: Callable[[int], Awaitable[None]],
         version: int = 0,
+        updates_per_batch: int = 1,
     ) -> None:
         self.config = config
         self.groups_per_step = groups_per_step
+        self.updates_per_batch = updates_per_batch
         self.version = version
+        self.synced_version = version  # the version the engine samples with
         self.counts = Counts()
         self.requeued = 0
         self.on_event: Callable[[str, Counts], None] | None = None  # observer, e.g. for tests
@@ -132,7 +136,8 @@ class SyncCoordinator:
 
     def can_admit(self) -> bool:
         c = self.counts
-        limit = (self.version + self.pipeline_depth + 1) * self.groups_per_step
+        batch = self.version // self.updates_per_batch
+        limit = (batch + self.pipeline_depth + 1) * self.groups_per_step
         return c.consumed + c.in_flight + c.buffered < limit
 
     async def wait_admissible(self) -> None:
@@ -163,16 +168,19 @@ class SyncCoordinator:
     def restore(self, version: int) -> None:
         """Resume at `version`: the groups consumed before it count toward admission as in the
         original run, and nothing is in flight."""
-        self.version = version
-        self.counts.dispatched = self.counts.consumed = version * self.groups_per_step
+        self.version = self.synced_version = version
+        batches = version // self.updates_per_batch
+        self.counts.dispatched = self.counts.consumed = batches * self.groups_per_step
         self.notify()
 
     def staleness(self, min_version: int) -> int:
-        return self.version - min_version
+        """Optimizer steps from `min_version` to the start of the batch being trained (its later
+        optimizer steps reuse the batch on purpose)."""
+        return self.version - self.version % self.updates_per_batch - min_version
 
     def too_stale(self, min_version: int) -> bool:
         k = self.config.max_staleness
-        return k is not None and self.version - min_version > k
+        return k is not None and self.staleness(min_version) > k
 
     # -- weight sync ----------------------------------------------------------------------------
 
@@ -184,6 +192,16 @@ class SyncCoordinator:
         """Block a new model call while a weight sync is in progress."""
         if not self._unpaused.is_set():
             await self._unpaused.wait()
+
+    def sync_due(self, version: int) -> bool:
+        """Whether the engine gets the weights of `version`: every `sync_every` optimizer steps,
+        and every step during `sync_warmup_steps` (which run on-policy)."""
+        return version % self.config.sync_every == 0 or version <= self.config.sync_warmup_steps
+
+    def advance(self, version: int) -> None:
+        """Count an optimizer step whose weights the engine does not get (see `sync_due`)."""
+        self.version = version
+        self._event("version_advanced")
 
     async def update_policy(self, version: int) -> tuple[float, float]:
         """Pause new model calls, run the backend's hook (with timeout and retries), resume.
@@ -214,7 +232,7 @@ class SyncCoordinator:
                     hook_s += loop.time() - t0
                     if attempt == self.config.sync_retries:
                         raise
-            self.version = version
+            self.version = self.synced_version = version
         finally:
             end = loop.time()
             if self._rollouts is not None:

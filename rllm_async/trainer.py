@@ -37,8 +37,9 @@ class UnifiedTrainer:
 
     The generation loop dispatches a task whenever the coordinator admits one and starts its
     `group_size` rollouts; the training loop streams ready groups into `forward_backward` every
-    `micro_batch_groups` groups and steps the optimizer every `groups_per_step` groups. `sync` mode
-    is the same code with pipeline depth 0, no staleness and pinned weights.
+    `micro_batch_groups` groups and steps the optimizer every `groups_per_step / mini_batches`
+    groups (then passes over the batch again for each further epoch). `sync` mode is the same code
+    with pipeline depth 0, no staleness and pinned weights.
     """
 
     def __init__(
@@ -74,7 +75,10 @@ class UnifiedTrainer:
             self.virtual_clock = bool(getattr(backend, "virtual_clock", False))
         self.backend = backend
         self.coordinator = SyncCoordinator(
-            config.coordinator, config.train.groups_per_step, backend.on_policy_updated
+            config.coordinator,
+            config.train.groups_per_step,
+            backend.on_policy_updated,
+            updates_per_batch=config.train.updates_per_batch,
         )
         self.evaluator = Evaluator(config, self.workflow, self.eval_tasks, self.callbacks)
         self.records: list[dict[str, float]] = []
@@ -290,14 +294,33 @@ class _Fit:
             generation.cancel()
 
     async def _train_step(self) -> int:
-        """Consume one step's groups, streaming micro-batches into `forward_backward`, then step the
-        optimizer and sync the weights; the number of groups trained, 0 when the data ran out."""
+        """Train one batch of `groups_per_step` groups: its `mini_batches` optimizer steps, the
+        first pass streaming groups into `forward_backward` as they arrive, then the kept groups
+        again for each further epoch; the number of groups trained, 0 when the data ran out."""
+        tr = self.config.train
+        kept: list[list[ReadyGroup]] = []
+        for _ in range(tr.mini_batches):
+            mini, idle = await self._take(tr.groups_per_update)
+            if not mini:
+                break
+            kept.append(mini)
+            await self._optimizer_step(idle)
+        for _ in range(tr.epochs_per_batch - 1):
+            for mini in kept:
+                for start in range(0, len(mini), tr.micro_batch_groups):
+                    await self._forward_backward(mini[start : start + tr.micro_batch_groups])
+                await self._optimizer_step(0.0)
+        return sum(len(mini) for mini in kept)
+
+    async def _take(self, size: int) -> tuple[list[ReadyGroup], float]:
+        """Consume up to `size` groups, streaming micro-batches into `forward_backward`; the groups
+        (fewer when the data ran out) and the seconds spent waiting for them."""
         cfg, coord, record = self.config, self.coordinator, self.record
         loop = asyncio.get_running_loop()
-        batch: list[ReadyGroup] = []
+        taken: list[ReadyGroup] = []
         micro: list[ReadyGroup] = []
         idle = 0.0
-        while len(batch) < cfg.train.groups_per_step:
+        while len(taken) < size:
             t0 = loop.time()
             ready = await self.buffer.get()
             idle += loop.time() - t0
@@ -313,19 +336,29 @@ class _Fit:
             coord.move(GroupState.BUFFERED, GroupState.CONSUMED)
             for metrics in _consumed(ready, coord.staleness(ready.min_version)):
                 record.add(metrics)
-            batch.append(ready)
+            taken.append(ready)
             micro.append(ready)
             if len(micro) == cfg.train.micro_batch_groups:
                 await self._forward_backward(micro)
                 micro = []
-        if not batch:
-            return 0
         if micro:
             await self._forward_backward(micro)
+        return taken, idle
+
+    async def _optimizer_step(self, idle: float) -> None:
+        """Step the optimizer and bump the version; the engine gets the new weights when a sync
+        is due (see `SyncCoordinator.sync_due`) and after the last step."""
+        coord, record = self.coordinator, self.record
+        loop = asyncio.get_running_loop()
         t0 = loop.time()
         record.add(await self.backend.optim_step(), OPTIM_STEP)
         record.add({"time/optim_step_s": loop.time() - t0})
-        hook_s, sync_s = await coord.update_policy(coord.version + 1)
+        version = coord.version + 1
+        hook_s = sync_s = 0.0
+        if coord.sync_due(version) or version >= self.config.train.total_steps:
+            hook_s, sync_s = await coord.update_policy(version)
+        else:
+            coord.advance(version)
         record.add(
             {
                 "time/sync_s": sync_s,
@@ -333,7 +366,6 @@ class _Fit:
                 "async/trainer_idle_s": idle,
             }
         )
-        return len(batch)
 
     async def _forward_backward(self, micro: list[ReadyGroup]) -> None:
         loop = asyncio.get_running_loop()
@@ -375,9 +407,11 @@ class _Fit:
         """The data ran out after the last step's record was written: groups that ended since
         (filtered or failed), draws skipped since and an evaluation still running get one more
         record of that step, the final evaluation another; then the final checkpoint."""
-        cfg, version, record = self.config, self.coordinator.version, self.record
-        loop = asyncio.get_running_loop()
-        groups_ended = self._count_groups(self.coordinator.snapshot())
+        cfg, coord, record = self.config, self.coordinator, self.record
+        version, loop = coord.version, asyncio.get_running_loop()
+        if coord.synced_version != version:  # with sync_every > 1: the final weights, for eval
+            await coord.update_policy(version)
+        groups_ended = self._count_groups(coord.snapshot())
         finished = await self.evals.collect(wait=True)
         if finished is not None:
             record.add(finished, EVALUATION)

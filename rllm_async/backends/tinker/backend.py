@@ -51,7 +51,7 @@ class TinkerBackend:
         )
         self._policy = TinkerPolicy(tokenizer, self._start, self._timeout, options.server_snapshots)
         self._normalizer = StepNormalizer(
-            config.train.groups_per_step, options.server_loss_reduction
+            config.train.groups_per_update, options.server_loss_reduction
         )
         self._stats = LossStats()
         self._pending: list[tuple[Any, list[Example], LossConfig]] = []

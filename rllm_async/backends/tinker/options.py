@@ -89,6 +89,13 @@ def check_config(config: Config) -> TinkerOptions:
             "coordinator.weight_update: latest (every call samples the newest weights), or "
             "mode: sync, or use a server whose samplers are snapshots (the Tinker service)"
         )
+    if not options.server_snapshots and co.sync_every > 1:
+        problems.append(
+            "backend.server_snapshots is false (the server's samplers share the training weights), "
+            f"so sampling sees every optimizer step and cannot lag by coordinator.sync_every "
+            f"({co.sync_every}) steps: set sync_every: 1, or use a server whose samplers are "
+            "snapshots (the Tinker service)"
+        )
     _refuse(problems)
     return options
 

@@ -136,6 +136,19 @@ def check_config(config: Config) -> VerlOptions:
             "set coordinator.weight_update: latest (every token keeps the version that sampled "
             "it), or pipeline_depth: 0 (mode: sync)"
         )
+    if opts.rollout != "local" and co.weight_update == "pin" and config.train.mini_batches > 1:
+        problems.append(
+            f"backend.rollout: {opts.rollout} servers hold one weight version at a time, so an "
+            "episode cannot stay on the version it started with (coordinator.weight_update: pin) "
+            f"while train.mini_batches ({config.train.mini_batches}) steps the optimizer before "
+            "the batch's rollouts end: set coordinator.weight_update: latest, or mini_batches: 1"
+        )
+    if opts.verl_server is not None and opts.colocated and co.sync_every > 1:
+        problems.append(
+            "colocated rollout servers (rollout_nodes: 0) sleep while the workers train and wake "
+            f"only with a weight sync, so coordinator.sync_every ({co.sync_every}) > 1 would leave "
+            "them asleep: set sync_every: 1, or give the servers their own nodes (rollout_nodes)"
+        )
     if config.rollout.max_tokens >= opts.max_seq_len:
         problems.append(
             f"rollout.max_tokens ({config.rollout.max_tokens}) leaves no room for a prompt in "
