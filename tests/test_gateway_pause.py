@@ -1,0 +1,48 @@
+"""A weight sync while an agent's calls are in flight: they wait, none is lost, and the recorded
+versions say which weights served each token."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rllm_async.backends.base import SamplingParams
+from rllm_async.rollout import RolloutContext
+from tests.scripted import ScriptedPolicy
+from tests.test_gateway import openai, serving
+
+
+def test_calls_during_a_pause_queue_and_are_served_by_the_new_weights() -> None:
+    policy = ScriptedPolicy(lambda prompt: "ok")
+
+    async def go() -> None:
+        unpaused = asyncio.Event()  # the coordinator's pause, held for a weight sync
+        ctx = RolloutContext(
+            policy,
+            sampling=SamplingParams(max_tokens=16),
+            pin=False,
+            wait_unpaused=unpaused.wait,
+            deadline=1e9,
+            task_id="t",
+        )
+        async with serving(policy) as gateway:
+            session = gateway.session(ctx)
+            client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=session.key)
+            messages = [{"role": "user", "content": "q"}]
+            calls = [
+                asyncio.create_task(
+                    client.chat.completions.create(model="policy", messages=messages)  # type: ignore[arg-type]
+                )
+                for _ in range(8)
+            ]
+            while session.calls < 8:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            assert not any(c.done() for c in calls) and policy.calls == []  # queued, none served
+            policy.version = 1  # the sync finishes, then the pause lifts
+            unpaused.set()
+            replies = await asyncio.wait_for(asyncio.gather(*calls), 30)
+        assert [r.system_fingerprint for r in replies] == ["policy-v1"] * 8
+        steps = ctx.trajectory().steps
+        assert len(steps) == 8 and all(set(s.versions) == {1} for s in steps)
+
+    asyncio.run(go())
