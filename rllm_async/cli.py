@@ -1,4 +1,4 @@
-"""`rllm-async`: train, evaluate, simulate and plot from the command line."""
+"""`rllm-async`: train, evaluate, serve, export, simulate and plot from the command line."""
 
 from __future__ import annotations
 
@@ -123,6 +123,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from rllm_async.export import export_run
+
+    out = Path(args.out)
+    source = export_run(Path(args.run_dir), out, args.checkpoint)
+    print(json.dumps({"checkpoint": str(source), "out": str(out)}))
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from rllm_async.plot import plot_runs
 
@@ -172,6 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--model", default="policy", help="the model name clients ask for")
     srv.add_argument("--export", default=None, help="append closed sessions' records to this JSONL")
     srv.set_defaults(func=cmd_serve)
+
+    exp = sub.add_parser("export", help="a checkpoint as a Hugging Face model directory")
+    exp.add_argument("run_dir", metavar="RUN_DIR")
+    exp.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a step number N or a checkpoint directory (default: newest)",
+    )
+    exp.add_argument("--out", required=True, help="the new directory to write")
+    exp.set_defaults(func=cmd_export)
 
     plot = sub.add_parser("plot", help="PNG curves of one or more runs (overlaid)")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 SPECIALS = ("<pad>", "<unk>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
 CHARS = "\n\t" + "".join(chr(c) for c in range(32, 127))
@@ -62,6 +65,57 @@ class CharTokenizer:
         if add_generation_prompt:
             ids.append(self._ids["<|assistant|>"])
         return ids
+
+
+# `CharTokenizer.apply_chat_template` as a Jinja chat template, for the Hugging Face form of the
+# tokenizer (`char_hf_tokenizer`): the same ids for the same chat, tools and tool calls included.
+CHAR_CHAT_TEMPLATE = (
+    "{%- set turns = messages %}"
+    "{%- if tools %}{%- set turns = [{'role': 'system', 'content': 'Tools: ' + (tools | tojson)}]"
+    " + messages %}{%- endif %}"
+    "{%- for m in turns %}"
+    "{%- if m.role not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{- raise_exception('unknown chat role ' + m.role | string"
+    " + ': use one of system, user, assistant, tool') }}"
+    "{%- endif %}"
+    "{{- '<|' + m.role + '|>' }}"
+    "{%- if m.content is string %}{{- m.content }}"
+    "{%- elif m.content is iterable %}{%- for p in m.content %}"
+    "{%- if p is mapping %}{{- p.text | default('') | string }}{%- endif %}{%- endfor %}"
+    "{%- elif m.content %}{{- m.content | string }}{%- endif %}"
+    "{%- for call in m.tool_calls or [] %}{%- set f = call.function or call %}"
+    "{{- '<tool_call>{\"name\": ' + (f.name | tojson) + ', \"arguments\": ' }}"
+    "{%- if f.arguments is string %}{{- f.arguments }}"
+    "{%- else %}{{- (f.arguments if f.arguments is defined else {}) | tojson }}{%- endif %}"
+    "{{- '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|end|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+)
+
+
+def char_hf_tokenizer() -> PreTrainedTokenizerFast:
+    """`CharTokenizer` as a Hugging Face tokenizer (a `tokenizers` word-level model over single
+    characters, same ids, same chat template), so that a model trained with it exports.
+
+    One difference: text that spells a special token (`<|end|>`) encodes as that token here, as
+    characters in `CharTokenizer`."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = CharTokenizer()
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(chars.vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|end|>",
+        chat_template=CHAR_CHAT_TEMPLATE,
+    )
 
 
 def _text(content: Any) -> str:

@@ -20,7 +20,7 @@ from rllm_async.backends.local.model import (
     Transformer,
     build_model,
     frozen_copy,
-    hf_weights,
+    hf_state_dict,
     load_model,
     preset_config,
 )
@@ -136,7 +136,7 @@ class LocalBackend:
             self.vllm = VLLMEngine(
                 opts.vllm,
                 checkpoint=checkpoint_dir(Path(opts.model_path).expanduser()),
-                state=_hf_state(model),
+                state=hf_state_dict(model),
                 tokenizer=tokenizer,
                 max_seq_len=opts.max_seq_len,
                 run_dir=config.run_path,
@@ -184,6 +184,26 @@ class LocalBackend:
             raise
         except (ValueError, ImportError) as e:
             raise ConfigError(f"backend local: {e}") from e
+
+    @staticmethod
+    def export(config: Config, backend_dir: Path, out: Path) -> None:
+        """Write the checkpoint saved in `backend_dir` as a Hugging Face model directory `out`."""
+        from rllm_async.backends.local.export import export_model
+
+        opts = validate_options(LocalOptions, config.backend.options, "backend")
+        file = backend_dir / CHECKPOINT_FILE
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{file} not found: is {backend_dir} a local-backend checkpoint?"
+            )
+        export_model(
+            torch.load(file, map_location="cpu", weights_only=True)["model"],
+            out,
+            preset=opts.model,
+            model_path=opts.model_path,
+            max_seq_len=opts.max_seq_len,
+            rollout=config.rollout,
+        )
 
     def policy(self) -> LocalPolicy | VLLMPolicy:
         return self._policy
@@ -247,7 +267,7 @@ class LocalBackend:
         assert self.vllm is not None
         if isinstance(self.learner, LearnerProcess):
             self.learner.copy_weights_to(self._model)
-        return self.vllm.write(_hf_state(self._model))
+        return self.vllm.write(hf_state_dict(self._model))
 
     def _save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
@@ -280,14 +300,6 @@ def _check_vllm(config: Config, opts: LocalOptions) -> None:
             "coordinator.weight_update: latest (every token keeps the version that sampled it), "
             "or pipeline_depth: 0 (mode: sync)"
         )
-
-
-def _hf_state(model: Transformer) -> dict[str, torch.Tensor]:
-    """`model`'s weights under the names of a Hugging Face checkpoint file (`model.` prefixed)."""
-    return {
-        name if name == "lm_head.weight" else f"model.{name}": tensor
-        for name, tensor in hf_weights(model).items()
-    }
 
 
 def _build(

@@ -45,7 +45,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
             f"backend.model_path {path} has no config.json: give a checkpoint directory"
         )
     raw = json.loads((path / "config.json").read_text())
-    config = _model_config(raw, path)
+    config = model_config(raw, path)
     tokenizer = load_tokenizer(path, setting="backend.model_path", require_chat_template=True)
     stop_ids = {tokenizer.eos_token_id}
     gen_file = path / "generation_config.json"
@@ -63,7 +63,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
     )
 
 
-def _model_config(raw: dict[str, Any], path: Path) -> ModelConfig:
+def model_config(raw: dict[str, Any], path: Path) -> ModelConfig:
+    """Our decoder's shape for a checkpoint's config.json; refuses what the decoder cannot run."""
     kind = raw.get("model_type")
     if kind not in SUPPORTED:
         raise ValueError(

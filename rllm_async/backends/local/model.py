@@ -218,6 +218,14 @@ def hf_weights(model: Transformer) -> dict[str, torch.Tensor]:
     return weights
 
 
+def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """`model`'s weights under the names of a Hugging Face checkpoint file (`model.` prefixed)."""
+    return {
+        name if name == "lm_head.weight" else f"model.{name}": tensor
+        for name, tensor in hf_weights(model).items()
+    }
+
+
 def build_model(cfg: ModelConfig, seed: int) -> Transformer:
     """A freshly initialised model; the same config and seed always give the same weights."""
     model = Transformer(cfg)
