@@ -20,6 +20,15 @@ import torch
 
 from rllm_async.config import LossConfig
 
+# Statistics reported as token means.
+_MEAN_KEYS = (
+    "policy",
+    "clip_frac_low",
+    "clip_frac_high",
+    "sampler_kl",
+    "kl_ref",
+    "kl_ref_corrected",
+)
 # exp() of a sequence's summed log-ratio overflows quickly; stats are clamped to this log range.
 _MAX_LOG = 30.0
 
@@ -50,7 +59,7 @@ class LossStats:
         """Token means (sequence means for `opsm_frac`), extremes and counts, as floats."""
         out = {"loss/num_tokens": self.tokens, "loss/num_sequences": self.sequences}
         if self.tokens > 0:
-            for key in ("policy", "clip_frac_low", "clip_frac_high", "sampler_kl", "kl_ref"):
+            for key in _MEAN_KEYS:
                 if key in self.sums:
                     out[f"loss/{key}"] = self.sums[key] / self.tokens
             out["loss/is_weight_mean"] = self.sums["is_weight"] / self.tokens
@@ -139,8 +148,13 @@ def policy_loss(
     stats.add("policy", float((per_token.detach() * mask).sum()))
     if ref_logprobs is not None and cfg.kl_coef > 0:
         kl_ref = _k3(ref_logprobs - logprobs)
-        per_token = per_token + cfg.kl_coef * kl_ref
+        # k3 estimates KL(trainer || ref) from trainer samples; the tokens come from the sampler,
+        # so weighting by the ratio trainer/sampler removes the bias. The ratio keeps its gradient
+        # (DeepSeek-V3.2, TRL's use_bias_correction_kl): the gradient of KL(trainer || ref).
+        kl_corrected = ratio * kl_ref
+        per_token = per_token + cfg.kl_coef * (kl_corrected if cfg.kl_bias_correction else kl_ref)
         stats.add("kl_ref", float((kl_ref.detach() * mask).sum()))
+        stats.add("kl_ref_corrected", float((kl_corrected.detach() * mask).sum()))
 
     on = mask > 0
     stats.tokens = float(mask.sum())
