@@ -361,6 +361,14 @@ def test_servers_without_snapshots_sample_only_the_newest_weights() -> None:
     check_config(config_from_dict(tinker_config()))
 
 
+def test_servers_without_snapshots_refuse_a_sync_interval() -> None:
+    every = {"sync_every": 2, "max_staleness": 2, "weight_update": "latest"}
+    cfg = tinker_config(server_snapshots=False)
+    with pytest.raises(ConfigError, match=r"cannot lag by coordinator.sync_every \(2\)"):
+        check_config(config_from_dict({**cfg, "coordinator": every}))
+    check_config(config_from_dict({**tinker_config(), "coordinator": every}))
+
+
 def test_unknown_and_missing_options_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="did you mean 'lora_rank'"):
         check_config(config_from_dict(tinker_config(lora_rnak=8)))

@@ -167,3 +167,24 @@ def test_missing_server_package_names_the_extra(tmp_path: Path) -> None:
     )
     for name in ("vllm", "sglang"):
         assert f"pip install 'verl[{name}]==0.9.1'" in out.stdout, out.stdout + out.stderr
+
+
+def test_colocated_servers_refuse_a_sync_interval() -> None:
+    every = {**LATEST, "sync_every": 2, "max_staleness": 2}
+    with pytest.raises(ConfigError, match=r"sync_every \(2\) > 1 would leave them asleep"):
+        check_config(make_config(every, rollout="verl-vllm"))
+    check_config(make_config(every, rollout="verl-vllm", rollout_nodes=1, device="cuda"))
+    check_config(make_config(every, **ENGINE))
+
+
+def test_servers_refuse_pinned_episodes_across_mini_batches() -> None:
+    cfg = config_from_dict(
+        {
+            "mode": "sync",
+            "backend": {"name": "verl", "model_path": "/x", **ENGINE},
+            "rollout": {"max_tokens": 8},
+            "train": {"mini_batches": 2},
+        }
+    )
+    with pytest.raises(ConfigError, match=r"train.mini_batches \(2\) steps the optimizer"):
+        check_config(cfg)
