@@ -347,7 +347,7 @@ def test_serve_command_answers_and_stops_on_sigint(tmp_path: Path) -> None:
         "backend.max_seq_len=64",
         "rollout.max_tokens=4",
     ]
-    root = str(Path(__file__).parents[1])  # this checkout, whatever is installed
+    root = str(Path(__file__).parents[2])  # this checkout, whatever is installed
     env = {**os.environ, "RLLM_ASYNC_API_KEY": KEY, "PYTHONPATH": root}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:

@@ -170,7 +170,7 @@ def test_example_configs_build_their_workflows_and_data() -> None:
     from rllm_async.data import load_tasks
     from rllm_async.runner import build_workflow
 
-    root = Path(__file__).parents[1] / "examples"
+    root = Path(__file__).parents[2] / "examples"
     for path in [*root.glob("guess/*.yaml"), *root.glob("calculator/*.yaml")]:
         config = load_config(path)
         build_workflow(config)

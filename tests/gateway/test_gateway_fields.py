@@ -14,7 +14,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.rollout.tool_calls import forced_call_prefix
 from tests.scripted import ScriptedPolicy, context
-from tests.test_gateway import CALC, KEY, serving
+from tests.gateway.test_gateway import CALC, KEY, serving
 
 openai = pytest.importorskip("openai")
 
