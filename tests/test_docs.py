@@ -1,7 +1,10 @@
-"""docs/config.md documents every key of the schema."""
+"""docs/config.md documents every key of the schema; docs/architecture.md shows the current
+import graph."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -32,3 +35,15 @@ def test_every_config_key_is_documented() -> None:
     doc = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
     missing = [k for k in keys(Config) if f"`{k}`" not in doc]
     assert not missing, f"undocumented config keys: {missing}"
+
+
+def test_the_architecture_page_shows_the_current_import_graph() -> None:
+    root = Path(__file__).parents[1]
+    graph = subprocess.run(
+        [sys.executable, str(root / "scripts" / "import_graph.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    doc = (root / "docs" / "architecture.md").read_text()
+    assert f"```text\n{graph}\n```" in doc, "run `python scripts/import_graph.py` and paste it"
