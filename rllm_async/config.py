@@ -291,6 +291,11 @@ def _check_batches(tr: TrainConfig, ev: EvalConfig, ck: CheckpointConfig) -> Non
             )
 
 
+# The directories of the config files loaded in this process, newest first: after the working
+# directory, where a config's import paths (`file.py:function`, a module beside it) are looked up.
+config_dirs: list[Path] = []
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
@@ -310,6 +315,9 @@ def load_config(
         raise ConfigError(f"cannot read config {path}: {e}") from e
     if not isinstance(base, DictConfig):
         raise ConfigError(f"config {path} must be a mapping of sections, not a list")
+    if path is not None:
+        found = Path(path).resolve().parent
+        config_dirs[:] = [found, *(d for d in config_dirs if d != found)]
     try:
         merged = OmegaConf.merge(
             dict(defaults or {}), base, OmegaConf.from_dotlist(list(overrides or []))

@@ -8,7 +8,7 @@ from typing import Any
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
 from rllm_async.workflows.base import Workflow
-from rllm_async.workflows.callables import load, score
+from rllm_async.workflows.callables import load_rewards, score_all
 from rllm_async.workflows.prompt import task_messages
 
 RewardFn = Callable[[dict[str, Any], str], "float | tuple[float, bool]"]
@@ -17,25 +17,32 @@ RewardFn = Callable[[dict[str, Any], str], "float | tuple[float, bool]"]
 class SingleTurnWorkflow(Workflow):
     """Ask the task's prompt once and score the reply with `reward_fn(task, text)`.
 
-    `reward_fn` is an import path ("package.module:function") or a callable; it returns a reward,
-    or `(reward, is_correct)`. It must parse the text, never execute it.
+    `reward_fn` is an import path ("package.module:function", "path/to/file.py:function") or a
+    callable returning a reward or `(reward, is_correct)`; or a list of them, each optionally
+    `{fn, weight, name}`, whose weighted sum is the reward, each one logged as
+    `episode/reward/<name>`. A reward function parses the text, never executes it.
+
+    A task's prompt is a string, or a list of chat messages (the conversational format) used as
+    the opening chat itself.
     """
 
     def __init__(
         self,
-        reward_fn: str | RewardFn,
+        reward_fn: str | RewardFn | list[Any],
         prompt_key: str = "prompt",
         system_prompt: str | None = None,
     ) -> None:
-        self.reward_fn: RewardFn = load(reward_fn, "workflow.args.reward_fn")
+        self.rewards = load_rewards(reward_fn, "workflow.args.reward_fn")
         self.prompt_key = prompt_key
         self.system_prompt = system_prompt
 
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
         messages = task_messages(task, self.prompt_key, self.system_prompt)
         reply = await ctx.chat(messages)
-        reward, correct = score(self.reward_fn, task, reply["content"])
+        reward, correct, parts = score_all(self.rewards, task, reply["content"])
         ctx.set_reward(reward)
         episode = ctx.build_episode(None)
         episode.is_correct = correct
+        if len(parts) > 1:
+            episode.metrics.update({f"reward/{name}": value for name, value in parts.items()})
         return episode
