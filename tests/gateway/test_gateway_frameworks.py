@@ -14,8 +14,8 @@ from pydantic import BaseModel
 
 from rllm_async.gateway import Gateway
 from rllm_async.rollout.tool_calls import TOOL_CALL_OPEN, forced_call_prefix
-from tests.scripted import ScriptedPolicy, context
 from tests.gateway.test_gateway import serving
+from tests.scripted import ScriptedPolicy, context
 
 RESULT = "RESULT-42"  # what the calc tool returns; seeing it in the prompt ends the loop
 FINAL = '{"answer": 42}'

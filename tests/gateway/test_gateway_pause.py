@@ -7,8 +7,8 @@ import asyncio
 
 from rllm_async.backends.base import SamplingParams
 from rllm_async.rollout import RolloutContext
-from tests.scripted import ScriptedPolicy
 from tests.gateway.test_gateway import openai, serving
+from tests.scripted import ScriptedPolicy
 
 
 def test_calls_during_a_pause_queue_and_are_served_by_the_new_weights() -> None:
