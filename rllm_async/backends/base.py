@@ -79,7 +79,11 @@ class Tokenizer(Protocol):
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
-    ) -> list[int]: ...
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """The chat's tokens; `template_kwargs` (`reasoning_effort`, `enable_thinking`, ...) are
+        variables the template may read, and ones it does not read change nothing."""
+        ...
 
 
 class PolicyClient(Protocol):

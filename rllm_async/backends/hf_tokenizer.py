@@ -35,7 +35,9 @@ class HFTokenizer:
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> list[int]:
+        """`template_kwargs` go to the Jinja template as variables (`transformers` passes them on)."""
         # return_dict=False: transformers 5 returns a BatchEncoding by default, 4.x a list.
         ids = self._tok.apply_chat_template(
             messages,
@@ -43,6 +45,7 @@ class HFTokenizer:
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             return_dict=False,
+            **template_kwargs,
         )
         return [int(i) for i in ids]
 

@@ -49,8 +49,11 @@ class CharTokenizer:
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> list[int]:
-        """Render a chat; `tools` become a system turn listing their JSON schemas."""
+        """Render a chat; `tools` become a system turn listing their JSON schemas. The template
+        reads no variables: `template_kwargs` change nothing (as in a Jinja template that does not
+        name them)."""
         turns = list(messages)
         if tools:
             turns.insert(0, {"role": "system", "content": "Tools: " + json.dumps(tools)})
@@ -154,7 +157,9 @@ class ByteTokenizer:
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> list[int]:
+        """A plain rendering that reads no template variables (`template_kwargs` change nothing)."""
         text = f"<tools>{json.dumps(tools)}\n" if tools else ""
         text += "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))

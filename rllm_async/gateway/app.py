@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import inspect
 import json
 import logging
 import secrets
@@ -286,7 +285,7 @@ class _API:
         tools = req.tool_schemas
         forced = req.forced_tool
         prefix = "" if forced is False else forced_call_prefix(None if forced is True else forced)
-        kwargs = _template_kwargs(req, ctx.policy.tokenizer)
+        kwargs = req.template_kwargs or None
         overrides = [self._sampling(req, session, i) for i in range(req.n)]
         turns = await self._run(
             session,
@@ -430,23 +429,6 @@ class _API:
     def _completion_chunks(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         head = {k: body[k] for k in ("id", "object", "created", "model")}
         return [{**head, "choices": [choice]} for choice in body["choices"]]
-
-
-def _template_kwargs(req: ChatCompletionRequest, tok: Any) -> dict[str, Any] | None:
-    """The request's chat-template arguments; refused when this policy's template takes none."""
-    kwargs = req.template_kwargs
-    if not kwargs:
-        return None
-    params = inspect.signature(tok.apply_chat_template).parameters.values()
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        param = "chat_template_kwargs" if req.chat_template_kwargs else "reasoning_effort"
-        raise APIError(
-            400,
-            f"{param}: this policy's chat template takes no arguments; leave it unset",
-            param=param,
-            code="invalid_parameter",
-        )
-    return kwargs
 
 
 def _check_format(req: ChatCompletionRequest, turns: list[ChatTurn]) -> dict[str, str]:

@@ -13,8 +13,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.rollout.tool_calls import forced_call_prefix
-from tests.scripted import ScriptedPolicy, context
 from tests.gateway.test_gateway import CALC, KEY, serving
+from tests.scripted import ScriptedPolicy, context
 
 openai = pytest.importorskip("openai")
 
@@ -142,6 +142,7 @@ ACCEPTED: list[dict[str, Any]] = [
         ]
     },
     {"response_format": {"type": "text"}, "tool_choice": "none", "tools": [CALC]},
+    {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}},
 ]
 
 REFUSED: list[tuple[dict[str, Any], str]] = [
@@ -158,7 +159,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"audio": {"voice": "x"}}, "audio"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"reasoning_effort": "high"}, "reasoning_effort"),  # this template takes no arguments
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     (
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "q", "x": 1}]}]},
         "messages.0.content.0.x",
