@@ -300,6 +300,13 @@ def _check_vllm(config: Config, opts: LocalOptions) -> None:
             "coordinator.weight_update: latest (every token keeps the version that sampled it), "
             "or pipeline_depth: 0 (mode: sync)"
         )
+    if co.weight_update == "pin" and config.train.mini_batches > 1:
+        raise ConfigError(
+            "backend.rollout: vllm: a vLLM server holds one weight version, so an episode cannot "
+            "stay on the version it started with (coordinator.weight_update: pin) while "
+            f"train.mini_batches ({config.train.mini_batches}) steps the optimizer before the "
+            "batch's rollouts end: set coordinator.weight_update: latest, or mini_batches: 1"
+        )
 
 
 def _build(
