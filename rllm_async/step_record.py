@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from rllm_async.metrics import MetricsAggregator, Reduce
+from rllm_async.buffer import Dispatch, ReadyGroup
+from rllm_async.config import Config
+from rllm_async.metrics import (
+    JsonlSink,
+    MetricsAggregator,
+    MetricsSink,
+    ProgressBarSink,
+    Reduce,
+    WandbSink,
+)
 from rllm_async.runner import episode_metrics
 from rllm_async.types import Episode
 
@@ -162,3 +171,40 @@ class StepRecord:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def solved_metrics(dispatch: Dispatch, group_size: int) -> dict[str, float]:
+    """A completed group whose rollouts were all judged as solved by all or by none: the groups
+    that teach nothing, by kind, whether or not they are filtered."""
+    if dispatch.judged != group_size:
+        return {}
+    return {
+        "groups/solve_all": float(dispatch.correct == group_size),
+        "groups/solve_none": float(dispatch.correct == 0),
+    }
+
+
+def consumed_metrics(ready: ReadyGroup, staleness: int) -> list[dict[str, float]]:
+    """The metrics of a group taken for training: each episode's reward and correctness, and the
+    group's staleness."""
+    out: list[dict[str, float]] = []
+    for episode in ready.episodes:
+        out.append({"reward/mean": episode.reward})
+        if episode.is_correct is not None:
+            out.append({"episode/correct": float(episode.is_correct)})
+    out.append({"staleness/mean": staleness, "staleness/max": staleness})
+    return out
+
+
+def sinks(cfg: Config, initial_step: int) -> list[MetricsSink]:
+    """Where a run's records go, as `logging:` asks."""
+    sinks: list[MetricsSink] = []
+    if cfg.logging.jsonl:
+        sinks.append(JsonlSink(cfg.run_path / "metrics.jsonl"))
+    if cfg.logging.progress_bar:
+        sinks.append(ProgressBarSink(cfg.train.total_steps, initial=initial_step, desc=cfg.name))
+    if cfg.logging.wandb.enabled:
+        w = cfg.logging.wandb
+        config = cfg.model_dump(mode="json")
+        sinks.append(WandbSink(w.project, cfg.name, w.entity, w.mode, config, cfg.run_path))
+    return sinks

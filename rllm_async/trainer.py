@@ -1,4 +1,10 @@
-"""UnifiedTrainer: one generation loop and one training loop under one structured-concurrency scope."""
+"""UnifiedTrainer: one generation loop and one training loop under one structured-concurrency scope.
+
+`UnifiedTrainer` holds what outlives one fit; `_Fit` is one `fit()`: its state and both loops.
+The file runs past 400 lines so that the loop reads top to bottom in one place; everything it
+composes (evaluation, checkpoints, health guards, the step record, the rollout runner) lives in
+modules of its own.
+"""
 
 from __future__ import annotations
 
@@ -19,16 +25,17 @@ from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.data import TaskSource, load_tasks
 from rllm_async.evaluation import EvalSchedule, Evaluator
 from rllm_async.health import FailureRateBreaker, NoSignalGuard
-from rllm_async.metrics import (
-    JsonlSink,
-    MetricsAggregator,
-    MetricsSink,
-    ProgressBarSink,
-    Reduce,
-    WandbSink,
-)
+from rllm_async.metrics import MetricsAggregator, Reduce
 from rllm_async.runner import build_workflow, run_rollout
-from rllm_async.step_record import EVALUATION, FORWARD_BACKWARD, OPTIM_STEP, StepRecord
+from rllm_async.step_record import (
+    EVALUATION,
+    FORWARD_BACKWARD,
+    OPTIM_STEP,
+    StepRecord,
+    consumed_metrics,
+    sinks,
+    solved_metrics,
+)
 from rllm_async.workflows.base import Workflow
 
 
@@ -161,7 +168,7 @@ class _Fit:
         self.resume_from = checkpoint.resume_path(cfg.checkpoint.resume, self.run_path)
         initial = checkpoint.read_state(self.resume_from).version if self.resume_from else 0
         self.record = StepRecord(
-            MetricsAggregator(_sinks(cfg, initial)),
+            MetricsAggregator(sinks(cfg, initial)),
             trainer.records,
             self.coordinator.snapshot(),
             asyncio.get_running_loop().time(),
@@ -271,7 +278,7 @@ class _Fit:
         state = await self.buffer.add(dispatch.id, index, episode)
         if state is None:
             return
-        record.add(_solved(dispatch, ro.group_size))
+        record.add(solved_metrics(dispatch, ro.group_size))
         self.source.group_ended(dispatch.task, solved=dispatch.correct == ro.group_size)
         if state in (GroupState.FILTERED, GroupState.FAILED):
             record.add({"tokens/wasted": dispatch.tokens})
@@ -334,7 +341,7 @@ class _Fit:
                     self.source.requeue(ready.dispatch.task)
                 continue
             coord.move(GroupState.BUFFERED, GroupState.CONSUMED)
-            for metrics in _consumed(ready, coord.staleness(ready.min_version)):
+            for metrics in consumed_metrics(ready, coord.staleness(ready.min_version)):
                 record.add(metrics)
             taken.append(ready)
             micro.append(ready)
@@ -448,42 +455,6 @@ class _Fit:
         keep_last = self.config.checkpoint.keep_last
         await checkpoint.save(self.run_path, self.backend, version, state, keep_last)
         self.checkpointed = version
-
-
-def _solved(dispatch: Dispatch, group_size: int) -> dict[str, float]:
-    """A completed group whose rollouts were all judged as solved by all or by none: the groups
-    that teach nothing, by kind, whether or not they are filtered."""
-    if dispatch.judged != group_size:
-        return {}
-    return {
-        "groups/solve_all": float(dispatch.correct == group_size),
-        "groups/solve_none": float(dispatch.correct == 0),
-    }
-
-
-def _consumed(ready: ReadyGroup, staleness: int) -> list[dict[str, float]]:
-    """The metrics of a group taken for training: each episode's reward and correctness, and the
-    group's staleness."""
-    out: list[dict[str, float]] = []
-    for episode in ready.episodes:
-        out.append({"reward/mean": episode.reward})
-        if episode.is_correct is not None:
-            out.append({"episode/correct": float(episode.is_correct)})
-    out.append({"staleness/mean": staleness, "staleness/max": staleness})
-    return out
-
-
-def _sinks(cfg: Config, initial_step: int) -> list[MetricsSink]:
-    sinks: list[MetricsSink] = []
-    if cfg.logging.jsonl:
-        sinks.append(JsonlSink(cfg.run_path / "metrics.jsonl"))
-    if cfg.logging.progress_bar:
-        sinks.append(ProgressBarSink(cfg.train.total_steps, initial=initial_step, desc=cfg.name))
-    if cfg.logging.wandb.enabled:
-        w = cfg.logging.wandb
-        config = cfg.model_dump(mode="json")
-        sinks.append(WandbSink(w.project, cfg.name, w.entity, w.mode, config, cfg.run_path))
-    return sinks
 
 
 def _write_config(config: Config, path: Path) -> None:
