@@ -43,6 +43,7 @@ class DatasetConfig(_Section):
     args: dict[str, Any] = Field(default_factory=dict)
     shuffle: bool = True
     limit: int | None = Field(default=None, ge=1)
+    columns: dict[str, str] = Field(default_factory=dict)  # task field -> the dataset's field
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetConfig:

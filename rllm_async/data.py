@@ -1,4 +1,5 @@
-"""Task datasets (JSONL files or generator callables) and the TaskSource the trainer draws from."""
+"""Task datasets (JSONL, JSON or parquet files, or generator callables) and the TaskSource the
+trainer draws from."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def load_tasks(spec: DatasetConfig, split: str) -> list[dict[str, Any]]:
                 f"data.{split}: row {i} of {where} is a {type(row).__name__}, not an object; "
                 'each task must be a JSON object such as {"id": ..., "prompt": ...}'
             )
+        row = {**row, **_mapped(row, spec.columns, f"data.{split}: row {i} of {where}")}
         task_id = str(row.get("id", f"{split}-{i}"))
         if task_id in seen:
             raise DataError(
@@ -51,9 +53,31 @@ def load_tasks(spec: DatasetConfig, split: str) -> list[dict[str, Any]]:
     return tasks
 
 
+def _mapped(row: dict[str, Any], columns: dict[str, str], where: str) -> dict[str, Any]:
+    """The task fields `columns` (task field -> dataset field) take from `row`."""
+    missing = [theirs for theirs in columns.values() if theirs not in row]
+    if missing:
+        raise DataError(
+            f"{where} has no field {missing[0]!r} (data.<split>.columns maps onto it); its fields "
+            f"are {sorted(row)}"
+        )
+    return {ours: row[theirs] for ours, theirs in columns.items()}
+
+
 def _read_rows(path: Path) -> list[Any]:
     if not path.exists():
         raise DataError(f"dataset file not found: {path}")
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(
+                f"{path}: reading .parquet needs pyarrow: pip install pyarrow"
+            ) from None
+        try:
+            return list(pq.read_table(path).to_pylist())
+        except Exception as e:  # pyarrow's own errors: not a parquet file, corrupt pages
+            raise DataError(f"{path}: not a readable parquet file ({e})") from None
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
         try:
