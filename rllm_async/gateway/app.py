@@ -25,8 +25,11 @@ from rllm_async.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenSessionRequest,
+    ResponseFormat,
+    ResponseRequest,
     SamplingFields,
 )
+from rllm_async.gateway.responses import chat_messages, response_object, stream_events
 from rllm_async.gateway.sessions import Session, SessionStore
 from rllm_async.gateway.structured import format_error
 from rllm_async.rollout import ChatTemplateError, ChatTurn, ContextLengthError, RolloutContext
@@ -65,6 +68,7 @@ def build_app(gateway: GatewayState) -> Starlette:
         ("/v1/models", api.models, ["GET"]),
         ("/v1/chat/completions", api.chat, ["POST"]),
         ("/v1/completions", api.completions, ["POST"]),
+        ("/v1/responses", api.responses, ["POST"]),
     ]
     routes = [
         Route("/health", api.endpoint(api.health, auth=False), methods=["GET"]),
@@ -176,6 +180,19 @@ class _API:
 
     def _sampling(self, req: SamplingFields, session: Session | None, index: int) -> dict[str, Any]:
         """Sampling overrides for one choice; a locked session keeps its temperature and top_p."""
+        out = self._temperature_top_p(req, session)
+        if (limit := getattr(req, "token_limit", None)) is not None:
+            out["max_tokens"] = limit
+        if req.stop is not None:
+            out["stop"] = req.stops
+        if req.seed is not None:
+            out["seed"] = (req.seed + index) % (2**63)
+        return out
+
+    def _temperature_top_p(
+        self, req: SamplingFields | ResponseRequest, session: Session | None
+    ) -> dict[str, Any]:
+        """The request's temperature and top_p; a locked session refuses values other than its own."""
         out: dict[str, Any] = {}
         if session is not None and session.locked:
             base = session.ctx.sampling
@@ -193,16 +210,13 @@ class _API:
             out.update(
                 {k: v for k in ("temperature", "top_p") if (v := getattr(req, k)) is not None}
             )
-        if (limit := getattr(req, "token_limit", None)) is not None:
-            out["max_tokens"] = limit
-        if req.stop is not None:
-            out["stop"] = req.stops
-        if req.seed is not None:
-            out["seed"] = (req.seed + index) % (2**63)
         return out
 
     async def _run(
-        self, session: Session | None, make: Callable[[], list[Awaitable[T]]]
+        self,
+        session: Session | None,
+        make: Callable[[], list[Awaitable[T]]],
+        prompt_param: str = "messages",
     ) -> list[T]:
         """Run one request's model calls; map what can go wrong to the client's errors."""
 
@@ -217,9 +231,11 @@ class _API:
         try:
             return await (run_all() if session is None else session.call(run_all))
         except ContextLengthError as e:
-            raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+            raise APIError(
+                400, str(e), param=prompt_param, code="context_length_exceeded"
+            ) from None
         except ChatTemplateError as e:
-            raise APIError(400, str(e), param="messages", code="invalid_messages") from None
+            raise APIError(400, str(e), param=prompt_param, code="invalid_messages") from None
         except RuntimeError as e:
             raise APIError(
                 503, f"the policy is unavailable: {e}", code="policy_unavailable"
@@ -294,7 +310,7 @@ class _API:
                 for o in overrides
             ],
         )
-        headers = _check_format(req, turns)
+        headers = _check_format(req.response_format, turns)
         body = self._chat_body(req, turns)
         if req.stream:
             return _sse(self._chat_chunks(req, body), headers)
@@ -328,7 +344,47 @@ class _API:
             return _sse(self._completion_chunks(body))
         return JSONResponse(body)
 
-    # -- responses ------------------------------------------------------------------------------
+    async def responses(self, request: Request) -> Response:
+        session = self._session(request)
+        req = await self._body(request, ResponseRequest)
+        self._check_model(req.model)
+        ctx = session.ctx if session is not None else self.gw.scratch_context()
+        messages = chat_messages(req)
+        forced = req.forced_tool
+        prefix = "" if forced is False else forced_call_prefix(None if forced is True else forced)
+        sampling = self._temperature_top_p(req, session)
+        if req.max_output_tokens is not None:
+            sampling["max_tokens"] = req.max_output_tokens
+        [turn] = await self._run(
+            session,
+            lambda: [
+                ctx.chat_turn(
+                    messages,
+                    tools=req.tool_schemas,
+                    prefix=prefix,
+                    template_kwargs=req.template_kwargs or None,
+                    **sampling,
+                )
+            ],
+            prompt_param="input",
+        )
+        headers = _check_format(req.response_format, [turn])
+        body = response_object(
+            req,
+            turn,
+            model=self.gw.model,
+            temperature=sampling.get("temperature", ctx.sampling.temperature),
+            top_p=sampling.get("top_p", ctx.sampling.top_p),
+        )
+        if not req.stream:
+            return JSONResponse(body.model_dump(mode="json", exclude_unset=True), headers=headers)
+        frames = [
+            f"event: {e.type}\ndata: {e.model_dump_json(exclude_unset=True)}\n\n"
+            for e in stream_events(body)
+        ]
+        return _event_stream(frames, headers)
+
+    # -- response bodies ------------------------------------------------------------------------
 
     def _chat_body(self, req: ChatCompletionRequest, turns: list[ChatTurn]) -> dict[str, Any]:
         tok = self.gw.policy.tokenizer
@@ -431,15 +487,15 @@ class _API:
         return [{**head, "choices": [choice]} for choice in body["choices"]]
 
 
-def _check_format(req: ChatCompletionRequest, turns: list[ChatTurn]) -> dict[str, str]:
+def _check_format(fmt: ResponseFormat | None, turns: list[ChatTurn]) -> dict[str, str]:
     """Check each reply against `response_format` (not enforced while sampling): the verdict goes
     into the recorded step's info and the `X-Response-Format` header (`valid` or `invalid`)."""
-    if req.response_format is None or req.response_format.type == "text":
+    if fmt is None or fmt.type == "text":
         return {}
     verdicts = []
     for turn in turns:
-        error = format_error(req.response_format, turn.message.get("content"))
-        turn.step.info["response_format"] = {"type": req.response_format.type, "error": error}
+        error = format_error(fmt, turn.message.get("content"))
+        turn.step.info["response_format"] = {"type": fmt.type, "error": error}
         verdicts.append("valid" if error is None else "invalid")
     return {"X-Response-Format": ",".join(verdicts)}
 
@@ -464,10 +520,14 @@ def _token_logprobs(tok: Any, ids: list[int], logprobs: list[float]) -> list[dic
 
 
 def _sse(chunks: list[dict[str, Any]], headers: dict[str, str] | None = None) -> StreamingResponse:
+    frames = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks]
+    return _event_stream([*frames, "data: [DONE]\n\n"], headers)
+
+
+def _event_stream(frames: list[str], headers: dict[str, str] | None = None) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
-        for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+        for frame in frames:
+            yield frame
 
     return StreamingResponse(
         events(),

@@ -66,6 +66,8 @@ def invalid(e: ValidationError) -> APIError:
     message = first["msg"]
     if first["type"] == "extra_forbidden":
         message = "unrecognized request argument (this server does not support it)"
+    elif first["type"] == "union_tag_invalid":
+        message = f"type {first['ctx']['tag']!r} is not supported"
     return APIError(
         400, f"{param}: {message}" if param else message, param=param, code="invalid_parameter"
     )

@@ -7,7 +7,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rllm_async.gateway.protocol import ChatCompletionRequest, CompletionRequest, OpenSessionRequest
+from rllm_async.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenSessionRequest,
+    ResponseRequest,
+)
 
 _REF = "#/components/schemas/{model}"
 _ERROR = {"$ref": "#/components/schemas/Error"}
@@ -55,7 +60,7 @@ _SESSION = {"name": "sid", "in": "path", "required": True, "schema": {"type": "s
 def openapi_document() -> dict[str, Any]:
     """Paths, request schemas and the error schema of every route."""
     schemas: dict[str, Any] = {"Error": _ERROR_SCHEMA}
-    for model in (ChatCompletionRequest, CompletionRequest, OpenSessionRequest):
+    for model in (ChatCompletionRequest, CompletionRequest, ResponseRequest, OpenSessionRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -63,6 +68,7 @@ def openapi_document() -> dict[str, Any]:
         "/v1/models": {"get": _operation("the served model")},
         "/v1/chat/completions": {"post": _operation("a chat completion", ChatCompletionRequest)},
         "/v1/completions": {"post": _operation("a text completion", CompletionRequest)},
+        "/v1/responses": {"post": _operation("a response (Responses API)", ResponseRequest)},
     }
     paths: dict[str, Any] = {
         "/health": {"get": _operation("liveness and open sessions")},

@@ -106,7 +106,7 @@ def load_schema() -> schemathesis.BaseSchema:
     """The gateway's OpenAPI document, asking for the served model (else nearly every body is a
     404)."""
     doc = copy.deepcopy(openapi_document())
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "ResponseRequest"):
         doc["components"]["schemas"][name]["properties"]["model"] = {"const": "policy"}
     return schemathesis.openapi.from_dict(doc)
 
@@ -167,6 +167,15 @@ def test_completions_never_fail_on_the_server(client: Client, case: Case) -> Non
 
 @FUZZ
 @given(
+    case=cases("/v1/responses", "ResponseRequest")
+    | cases("/sessions/{sid}/v1/responses", "ResponseRequest")
+)
+def test_responses_never_fail_on_the_server(client: Client, case: Case) -> None:
+    client.send(case)
+
+
+@FUZZ
+@given(
     method=st.sampled_from(["GET", "POST", "DELETE", "PUT"]),
     path=st.sampled_from(
         [
@@ -177,6 +186,7 @@ def test_completions_never_fail_on_the_server(client: Client, case: Case) -> Non
             "/sessions/x/v1/models",
             "/v1/chat/completions",
             "/v1/completions",
+            "/v1/responses",
         ]
     ),
     raw=st.binary(max_size=256)

@@ -1,0 +1,227 @@
+"""The Responses API on the chat path: input items as chat messages, a chat turn as a `Response`
+(built with the `openai` package's models), and the SSE events of a finished response."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from openai.types.responses import (
+    FunctionTool,
+    Response,
+    ResponseCompletedEvent,
+    ResponseContentPartAddedEvent,
+    ResponseContentPartDoneEvent,
+    ResponseCreatedEvent,
+    ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseFunctionCallArgumentsDoneEvent,
+    ResponseFunctionToolCall,
+    ResponseIncompleteEvent,
+    ResponseInProgressEvent,
+    ResponseOutputItemAddedEvent,
+    ResponseOutputItemDoneEvent,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseStreamEvent,
+    ResponseTextDeltaEvent,
+    ResponseTextDoneEvent,
+    ResponseUsage,
+    Tool,
+)
+from openai.types.responses.response import IncompleteDetails
+from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
+
+from rllm_async.gateway.protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionToolChoice,
+    InputMessage,
+    ResponseRequest,
+)
+from rllm_async.rollout import ChatTurn
+
+
+def chat_messages(req: ResponseRequest) -> list[dict[str, Any]]:
+    """`instructions` and `input` as chat messages: a reply's message and the `function_call`
+    items after it are one assistant turn, as the chat path recorded it (so the next call extends
+    its tokens); a `function_call_output` is a tool message."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    items = (
+        [InputMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    )
+    for item in items:
+        last = messages[-1] if messages else None
+        if isinstance(item, InputMessage):
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": item.text})
+        elif isinstance(item, FunctionCallItem):
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
+                messages.append(last)
+            call = {"name": item.name, "arguments": item.arguments}
+            last.setdefault("tool_calls", []).append(
+                {"id": item.call_id, "type": "function", "function": call}
+            )
+        else:
+            assert isinstance(item, FunctionCallOutputItem)
+            messages.append({"role": "tool", "content": item.text, "tool_call_id": item.call_id})
+    return messages
+
+
+def response_object(
+    req: ResponseRequest, turn: ChatTurn, *, model: str, temperature: float, top_p: float
+) -> Response:
+    """The chat turn as a completed `Response` (`incomplete` when it hit `max_output_tokens`)."""
+    message = turn.message
+    output: list[Any] = []
+    if message.get("content"):
+        text = ResponseOutputText(type="output_text", text=message["content"], annotations=[])
+        output.append(
+            ResponseOutputMessage(
+                id=f"msg_{secrets.token_hex(12)}",
+                type="message",
+                role="assistant",
+                status="completed",
+                content=[text],
+            )
+        )
+    calls = message.get("tool_calls") or []
+    if req.parallel_tool_calls is False:
+        calls = calls[:1]
+    for call in calls:
+        output.append(
+            ResponseFunctionToolCall(
+                id=f"fc_{secrets.token_hex(12)}",
+                type="function_call",
+                call_id=call["id"],
+                name=call["function"]["name"],
+                arguments=call["function"]["arguments"],
+                status="completed",
+            )
+        )
+    step = turn.step
+    incomplete = turn.finish_reason == "length"
+    tools: list[Tool] = [
+        FunctionTool(
+            type="function",
+            name=t.name,
+            description=t.description,
+            parameters=t.parameters,
+            strict=t.strict,
+        )
+        for t in req.tools or ()
+    ]
+    tool_choice: Any = req.tool_choice or "auto"
+    if isinstance(tool_choice, FunctionToolChoice):
+        tool_choice = tool_choice.model_dump()
+    return Response(
+        id=f"resp_{secrets.token_hex(12)}",
+        object="response",
+        created_at=int(time.time()),
+        model=model,
+        status="incomplete" if incomplete else "completed",
+        incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None,
+        error=None,
+        instructions=req.instructions,
+        metadata=req.metadata or {},
+        output=output,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        tool_choice=tool_choice,
+        tools=tools,
+        temperature=temperature,
+        top_p=top_p,
+        max_output_tokens=req.max_output_tokens,
+        usage=ResponseUsage(
+            input_tokens=len(step.prompt_ids),
+            input_tokens_details=InputTokensDetails(cached_tokens=0, cache_write_tokens=0),
+            output_tokens=len(step.completion_ids),
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
+            total_tokens=len(step.prompt_ids) + len(step.completion_ids),
+        ),
+    )
+
+
+def stream_events(response: Response) -> list[ResponseStreamEvent]:
+    """A finished response as the Responses API streams one: created, in progress, each output
+    item (added, its text or arguments as one delta, done), then completed or incomplete."""
+    pending = response.model_copy(update={"status": "in_progress", "output": [], "usage": None})
+    events: list[Any] = [
+        ResponseCreatedEvent(type="response.created", response=pending, sequence_number=0),
+        ResponseInProgressEvent(type="response.in_progress", response=pending, sequence_number=0),
+    ]
+    for index, item in enumerate(response.output):
+        if isinstance(item, ResponseOutputMessage):
+            events += _message_events(index, item)
+        else:
+            assert isinstance(item, ResponseFunctionToolCall)
+            events += _call_events(index, item)
+    if response.status == "incomplete":
+        events.append(
+            ResponseIncompleteEvent(
+                type="response.incomplete", response=response, sequence_number=0
+            )
+        )
+    else:
+        events.append(
+            ResponseCompletedEvent(type="response.completed", response=response, sequence_number=0)
+        )
+    for n, event in enumerate(events):
+        event.sequence_number = n
+    return events
+
+
+def _message_events(index: int, item: ResponseOutputMessage) -> list[Any]:
+    [part] = item.content
+    assert isinstance(part, ResponseOutputText)
+    empty = part.model_copy(update={"text": ""})
+    at: dict[str, Any] = {"item_id": item.id, "output_index": index, "sequence_number": 0}
+    return [
+        ResponseOutputItemAddedEvent(
+            type="response.output_item.added",
+            item=item.model_copy(update={"status": "in_progress", "content": []}),
+            output_index=index,
+            sequence_number=0,
+        ),
+        ResponseContentPartAddedEvent(
+            type="response.content_part.added", content_index=0, part=empty, **at
+        ),
+        ResponseTextDeltaEvent(
+            type="response.output_text.delta", content_index=0, delta=part.text, logprobs=[], **at
+        ),
+        ResponseTextDoneEvent(
+            type="response.output_text.done", content_index=0, text=part.text, logprobs=[], **at
+        ),
+        ResponseContentPartDoneEvent(
+            type="response.content_part.done", content_index=0, part=part, **at
+        ),
+        ResponseOutputItemDoneEvent(
+            type="response.output_item.done", item=item, output_index=index, sequence_number=0
+        ),
+    ]
+
+
+def _call_events(index: int, item: ResponseFunctionToolCall) -> list[Any]:
+    assert item.id is not None
+    at: dict[str, Any] = {"item_id": item.id, "output_index": index, "sequence_number": 0}
+    return [
+        ResponseOutputItemAddedEvent(
+            type="response.output_item.added",
+            item=item.model_copy(update={"status": "in_progress", "arguments": ""}),
+            output_index=index,
+            sequence_number=0,
+        ),
+        ResponseFunctionCallArgumentsDeltaEvent(
+            type="response.function_call_arguments.delta", delta=item.arguments, **at
+        ),
+        ResponseFunctionCallArgumentsDoneEvent(
+            type="response.function_call_arguments.done",
+            arguments=item.arguments,
+            **at,
+        ),
+        ResponseOutputItemDoneEvent(
+            type="response.output_item.done", item=item, output_index=index, sequence_number=0
+        ),
+    ]
