@@ -159,7 +159,7 @@ async def evaluate_checkpoint(config: Config, path: Path, backend: Backend) -> d
     tasks = load_tasks(config.data.eval, "eval")
     workflow = build_workflow(config)
     try:
-        await workflow.start()
+        await workflow.start(backend.policy())
         await checkpoint.load(path, backend)
         return await Evaluator(config, workflow, tasks, []).evaluate(
             backend.policy(), _never_paused

@@ -187,7 +187,7 @@ class _Fit:
         """Start the workflow, resume from a checkpoint, and score the starting policy if asked
         (a record of step 0, outside the timed run)."""
         coord, loop = self.coordinator, asyncio.get_running_loop()
-        await self.workflow.start()
+        await self.workflow.start(self.policy)
         if self.resume_from is not None:
             state = await checkpoint.load(self.resume_from, self.backend)
             self.source.load_state(state.source)

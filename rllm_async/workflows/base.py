@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from rllm_async.backends.base import PolicyClient
 from rllm_async.metrics import Reduce
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
@@ -26,10 +27,11 @@ class Workflow(ABC):
     @abstractmethod
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode | float | None: ...
 
-    async def start(self) -> None:
-        """Start what every `run` shares (a server, a pool); the trainer calls it once at the start."""
+    async def start(self, policy: PolicyClient) -> None:
+        """Start what every `run` shares (a server, a pool) for rollouts that sample from
+        `policy`; the trainer calls it once before the first rollout."""
         return None
 
     async def close(self) -> None:
-        """Release what `run` started (a server, a pool); the trainer calls it once at the end."""
+        """Release what `start` started; the trainer calls it once at the end."""
         return None

@@ -1,7 +1,7 @@
 """OpenAIAgentWorkflow: train any agent that speaks the OpenAI API, through the gateway.
 
-The workflow starts a `Gateway` on 127.0.0.1 in the trainer's event loop (once, on the first
-rollout), opens one session per rollout and calls `agent(base_url, api_key, task)` with the
+`start(policy)` starts a `Gateway` on 127.0.0.1 in the trainer's event loop, ready before
+the first rollout; `run` opens one session per rollout and calls `agent(base_url, api_key, task)` with the
 gateway's `/v1` base URL and the session's own API key, which names the session: every rollout
 has the same base URL, so agents share one HTTP client (`openai_client`) instead of paying for a
 new one (its SSL set-up) per rollout. The gateway records every call server-side as a Step of the
@@ -12,7 +12,6 @@ the buffer.
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import secrets
 from collections.abc import Awaitable, Callable
@@ -74,11 +73,14 @@ class OpenAIAgentWorkflow(Workflow):
         self.max_calls_per_session = max_calls_per_session
         self.gateway: Gateway | None = None
         self.http: DefaultAsyncHttpxClient | None = None  # every rollout's agent shares it
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._starting: asyncio.Lock | None = None
 
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
-        gateway = await self._gateway(ctx.policy)
+        gateway = self.gateway
+        if gateway is None:
+            raise RuntimeError(
+                "OpenAIAgentWorkflow.run() before start(policy): the trainer starts the workflow's "
+                "gateway; outside it, `await workflow.start(policy)` first and `close()` after"
+            )
         session = gateway.session(ctx)
         token = _HTTP.set(self.http)
         try:
@@ -101,36 +103,28 @@ class OpenAIAgentWorkflow(Workflow):
         episode.metrics["calls"] = float(session.calls)
         return episode
 
-    async def _gateway(self, policy: PolicyClient) -> Gateway:
-        """The gateway of this event loop, started on first use."""
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:  # a new run (a new loop): the old server died with its loop
-            self.gateway, self.http = None, None
-            self._loop, self._starting = loop, asyncio.Lock()
-        assert self._starting is not None
-        async with self._starting:
-            if self.gateway is None:
-                from rllm_async.gateway import Gateway
+    async def start(self, policy: PolicyClient) -> None:
+        """Start the gateway over `policy` and the agents' shared HTTP client; once ready."""
+        from rllm_async.gateway import Gateway
 
-                gateway = Gateway(
-                    policy,
-                    model=self.model,
-                    api_key=self.api_key,
-                    max_calls_per_session=self.max_calls_per_session,
-                )
-                await gateway.start(self.host, self.port)
-                self.gateway = gateway
-                self.http = _http_client()
-            return self.gateway
+        gateway = Gateway(
+            policy,
+            model=self.model,
+            api_key=self.api_key,
+            max_calls_per_session=self.max_calls_per_session,
+        )
+        await gateway.start(self.host, self.port)
+        self.gateway, self.http = gateway, _http_client()
 
     async def close(self) -> None:
-        """Stop the gateway (the trainer calls this when training ends)."""
-        if self._loop is asyncio.get_running_loop():
+        """Stop the gateway and close the shared HTTP client (the trainer calls this at the end)."""
+        try:
             if self.http is not None:
                 await self.http.aclose()
+        finally:
             if self.gateway is not None:
                 await self.gateway.stop()
-        self.gateway, self.http = None, None
+            self.gateway, self.http = None, None
 
 
 def _http_client() -> DefaultAsyncHttpxClient | None:

@@ -95,3 +95,27 @@ def test_training_through_the_gateway_rebuilds_trajectories_from_its_records(tmp
     assert 1 <= workflow.most_open <= 8  # sessions are freed as their episodes end
     assert len(workflow.http_clients) == 1  # one HTTP client served every rollout
     assert workflow.gateway is None and workflow.http is None  # stopped when training ended
+
+
+def test_the_gateway_is_ready_after_start_and_gone_after_close() -> None:
+    import asyncio
+
+    from tests.scripted import ScriptedPolicy, context
+
+    async def go() -> None:
+        policy = ScriptedPolicy(lambda prompt: "hi")
+        workflow = OpenAIAgentWorkflow(agent)
+        with pytest.raises(RuntimeError, match=r"before start\(policy\)"):
+            await workflow.run({"id": "t", "prompt": "p"}, context(policy))
+        await workflow.start(policy)
+        assert workflow.gateway is not None
+        url = workflow.gateway.url
+        async with httpx.AsyncClient() as http:  # answering before any rollout ran
+            assert (await http.get(f"{url}/health")).status_code == 200
+        await workflow.close()
+        assert workflow.gateway is None
+        async with httpx.AsyncClient() as http:
+            with pytest.raises(httpx.ConnectError):
+                await http.get(f"{url}/health")
+
+    asyncio.run(go())
