@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from rllm_async.config import WandbConfig
+
+logger = logging.getLogger(__name__)
 
 Reduce = Literal["mean", "sum", "min", "max", "last"]
 _REDUCES = ("mean", "sum", "min", "max", "last")
@@ -168,37 +174,101 @@ class _BarLogHandler(logging.Handler):
 
 
 class WandbSink:
-    """Logs each record to Weights & Biases; offline when no API key is configured."""
+    """Logs each record to Weights & Biases, its files under `directory` (the run directory).
+
+    The wandb run's id is kept in `directory/wandb_run_id`; with `resume` (a run resumed from a
+    checkpoint) the sink continues the wandb run of that id instead of starting another."""
 
     def __init__(
         self,
-        project: str,
+        settings: WandbConfig,
         name: str,
-        entity: str | None,
-        mode: str,
         config: dict[str, Any],
         directory: Path,
+        resume: bool = False,
     ) -> None:
-        try:
-            import wandb
-        except ImportError as e:
-            raise RuntimeError(
-                "logging.wandb.enabled is true but wandb is not installed: "
-                "pip install 'rllm-async[wandb]' or set logging.wandb.enabled=false"
-            ) from e
-        online = mode == "online" or (mode == "auto" and bool(os.environ.get("WANDB_API_KEY")))
+        wandb = _import("wandb", "logging.wandb.enabled", "wandb")
+        mode, why = wandb_mode(settings.mode)
+        # Offline for want of credentials is what a user would not expect: said as a warning.
+        level = logging.WARNING if settings.mode == "auto" and mode == "offline" else logging.INFO
+        logger.log(level, "wandb: logging %s (%s)", mode, why)
         directory.mkdir(parents=True, exist_ok=True)
+        id_file = directory / "wandb_run_id"
+        resume_id = id_file.read_text().strip() if resume and id_file.is_file() else None
         self._run = wandb.init(
-            project=project,
+            project=settings.project,
             name=name,
-            entity=entity,
-            mode="online" if online else "offline",
+            entity=settings.entity,
+            group=settings.group,
+            tags=settings.tags,
+            notes=settings.notes,
+            mode=mode,
             config=config,
             dir=str(directory),
+            id=resume_id,
+            resume="allow" if resume_id else None,
         )
+        self.run_id: str = self._run.id
+        id_file.write_text(self.run_id)
 
     def write(self, record: dict[str, float]) -> None:
         self._run.log(dict(record), step=int(record["step"]))
 
     def close(self) -> None:
         self._run.finish()
+
+
+def wandb_mode(mode: str) -> tuple[str, str]:
+    """The mode wandb runs in, and why. `auto` follows `$WANDB_MODE` when set, else is online when
+    wandb finds credentials where it keeps them (`$WANDB_API_KEY`, `wandb login`'s netrc, its
+    settings), offline when it finds none."""
+    if mode != "auto":
+        return mode, f"logging.wandb.mode is {mode}"
+    if os.environ.get("WANDB_MODE"):
+        env = os.environ["WANDB_MODE"]
+        return env, f"logging.wandb.mode is auto and WANDB_MODE={env}"
+    import wandb
+
+    if wandb.login(prompt=False, verify=False):
+        return (
+            "online",
+            "wandb found credentials: WANDB_API_KEY, `wandb login`'s netrc or its settings",
+        )
+    return "offline", (
+        "wandb found no credentials: run `wandb login` or set WANDB_API_KEY to log online; "
+        "`wandb sync` uploads an offline run later"
+    )
+
+
+class TensorBoardSink:
+    """Writes each record's numbers as TensorBoard scalars under `directory`. A run resumed after
+    `initial_step` drops the scalars an earlier attempt wrote for the steps after it."""
+
+    def __init__(self, directory: Path, initial_step: int = 0) -> None:
+        _import("tensorboard", "logging.tensorboard", "tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(
+            str(directory), purge_step=initial_step + 1 if initial_step else None
+        )
+
+    def write(self, record: dict[str, float]) -> None:
+        step = int(record["step"])
+        for key, value in record.items():
+            if key != "step":
+                self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _import(module: str, setting: str, extra: str) -> Any:
+    """An optional extra's module, or an error naming the setting and how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise RuntimeError(
+            f"{setting} is on but {module} is not installed: "
+            f"pip install 'rllm-async[{extra}]' or turn {setting} off"
+        ) from e

@@ -13,6 +13,7 @@ from rllm_async.metrics import (
     MetricsSink,
     ProgressBarSink,
     Reduce,
+    TensorBoardSink,
     WandbSink,
 )
 from rllm_async.runner import episode_metrics
@@ -197,14 +198,17 @@ def consumed_metrics(ready: ReadyGroup, staleness: int) -> list[dict[str, float]
 
 
 def sinks(cfg: Config, initial_step: int) -> list[MetricsSink]:
-    """Where a run's records go, as `logging:` asks."""
+    """Where a run's records go, as `logging:` asks; `initial_step` > 0: a run resumed from the
+    checkpoint of that step."""
     sinks: list[MetricsSink] = []
     if cfg.logging.jsonl:
         sinks.append(JsonlSink(cfg.run_path / "metrics.jsonl"))
     if cfg.logging.progress_bar:
         sinks.append(ProgressBarSink(cfg.train.total_steps, initial=initial_step, desc=cfg.name))
+    if cfg.logging.tensorboard:
+        sinks.append(TensorBoardSink(cfg.run_path / "tensorboard", initial_step))
     if cfg.logging.wandb.enabled:
-        w = cfg.logging.wandb
         config = cfg.model_dump(mode="json")
-        sinks.append(WandbSink(w.project, cfg.name, w.entity, w.mode, config, cfg.run_path))
+        resume = initial_step > 0
+        sinks.append(WandbSink(cfg.logging.wandb, cfg.name, config, cfg.run_path, resume))
     return sinks

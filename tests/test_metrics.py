@@ -87,26 +87,6 @@ def test_trainer_records_have_the_documented_keys(tmp_path) -> None:
         assert 0.0 <= row["async/generation_idle_ratio"] <= 1.0
 
 
-def test_wandb_sink_logs_offline_without_a_key(tmp_path, monkeypatch) -> None:
-    pytest.importorskip(
-        "wandb", reason="wandb is an optional extra: pip install 'rllm-async[wandb]'"
-    )
-    from rllm_async.trainer import UnifiedTrainer
-    from rllm_async.vclock import run
-    from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
-
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = make_config(tmp_path, train={"total_steps": 2}, logging={"wandb": {"enabled": True}})
-    trainer = UnifiedTrainer(
-        cfg, backend=FakeBackend(), workflow=ScriptedWorkflow(), train_tasks=tasks(20)
-    )
-    run(trainer.fit(), virtual=True)
-    offline = list((cfg.run_path / "wandb").glob("offline-run-*"))
-    assert len(offline) == 1, "an offline run directory is written inside the run directory"
-    assert list(offline[0].glob("*.wandb")), "with its log of the records"
-
-
 def test_progress_bar_shows_held_out_accuracy_where_the_task_judges_it(capsys) -> None:
     bar = ProgressBarSink(total=4)
     bar.write({"step": 1.0, "reward/mean": 0.25, "staleness/mean": 1.0})
