@@ -70,6 +70,11 @@ class RolloutConfig(_Section):
     max_concurrency: int = Field(default=256, ge=1)
     max_failure_rate: float = Field(default=0.5, gt=0.0, le=1.0)
     failure_window: int = Field(default=200, ge=1)
+    # How replies are read (tool calls, reasoning); auto: from the checkpoint (rollout.reply_parser).
+    tool_parser: Literal[
+        "auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v3", "harmony"
+    ] = "auto"
+    reasoning_parser: Literal["auto", "think", "none"] = "auto"
 
 
 class CoordinatorConfig(_Section):

@@ -14,7 +14,7 @@ from rllm_async.callbacks import Callback
 from rllm_async.config import Config
 from rllm_async.data import load_tasks
 from rllm_async.metrics import MetricsAggregator
-from rllm_async.runner import build_workflow, run_rollout
+from rllm_async.runner import build_workflow, configured_parser, run_rollout
 from rllm_async.step_record import record_episode
 from rllm_async.workflows.base import Workflow
 
@@ -70,6 +70,7 @@ class Evaluator:
                     timeout_s=cfg.rollout.timeout_s,
                     retries=0,
                     wait_unpaused=wait_unpaused,
+                    parser=configured_parser(cfg, policy),
                 )
                 return rollout.episode
 

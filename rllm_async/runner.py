@@ -14,6 +14,7 @@ from rllm_async.backends.base import PolicyClient, SamplingParams
 from rllm_async.config import Config, ConfigError
 from rllm_async.imports import import_object
 from rllm_async.rollout import RolloutContext
+from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
 from rllm_async.types import Episode
 from rllm_async.workflows.base import Workflow
 
@@ -50,9 +51,11 @@ async def run_rollout(
     report: Callable[[dict[str, float]], None] = lambda metrics: None,
     rollout_index: int = 0,
     version: int | None = None,
+    parser: ReplyParser | None = None,
 ) -> Rollout:
     """Run one rollout of `task`, each attempt under its own `timeout_s` deadline, retrying
-    failures `retries` times; `version` pins every call to that policy version. The metrics of
+    failures `retries` times; `version` pins every call to that policy version; `parser` reads the
+    replies (by default, in the family of the policy's checkpoint). The metrics of
     each retry and failed attempt go to `report` as they happen."""
     loop = asyncio.get_running_loop()
     out = Rollout(None)
@@ -69,6 +72,7 @@ async def run_rollout(
             task_id=task["id"],
             rollout_index=rollout_index,
             attempt=attempt,
+            parser=parser,
         )
         try:
             async with ctx.timeout():
@@ -93,6 +97,12 @@ async def run_rollout(
 def _failed(kind: str, tokens: int) -> dict[str, float]:
     """The metrics of a failed attempt: its kind, and its tokens, wasted."""
     return {kind: 1, "tokens/generated": tokens, "tokens/wasted": tokens}
+
+
+def configured_parser(config: Config, policy: PolicyClient) -> ReplyParser:
+    """The reader of `policy`'s replies that `rollout.tool_parser` and `reasoning_parser` choose."""
+    ro = config.rollout
+    return reply_parser(policy.tokenizer, ro.tool_parser, ro.reasoning_parser)
 
 
 def build_workflow(config: Config) -> Workflow:

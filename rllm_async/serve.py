@@ -10,6 +10,7 @@ from rllm_async.backends.base import SamplingParams
 from rllm_async.checkpoint import load as load_checkpoint
 from rllm_async.config import BackendConfig, Config, ConfigError
 from rllm_async.gateway.server import Gateway
+from rllm_async.runner import configured_parser
 
 # `serve`'s context when the config sets no `backend.max_seq_len` (training's default, 256 tokens,
 # is too short for an agent's first request); a checkpoint with a shorter one keeps its own.
@@ -39,13 +40,15 @@ async def serve(
             top_p=config.rollout.top_p,
             max_tokens=config.rollout.max_tokens,
         )
+        policy = backend.policy()
         gateway = Gateway(
-            backend.policy(),
+            policy,
             model=model,
             api_key=api_key,
             sampling=sampling,
             open_sessions=True,
             export_path=export_path,
+            parser=configured_parser(config, policy),
         )
         await gateway.start(host, port, embedded=False)
         print(json.dumps({"url": gateway.url, "model": model, "checkpoint": str(checkpoint)}))

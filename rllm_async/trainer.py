@@ -26,7 +26,7 @@ from rllm_async.data import TaskSource, load_tasks
 from rllm_async.evaluation import EvalSchedule, Evaluator
 from rllm_async.health import FailureRateBreaker, NoSignalGuard
 from rllm_async.metrics import MetricsAggregator, Reduce
-from rllm_async.runner import build_workflow, run_rollout
+from rllm_async.runner import build_workflow, configured_parser, run_rollout
 from rllm_async.step_record import (
     EVALUATION,
     FORWARD_BACKWARD,
@@ -262,6 +262,7 @@ class _Fit:
                     wait_unpaused=self.coordinator.wait_unpaused,
                     report=record.add_generation,
                     rollout_index=index,
+                    parser=configured_parser(self.config, self.policy),
                 )
             finally:
                 self.coordinator.rollout_finished()

@@ -65,7 +65,12 @@ class Completion:
 
 
 class Tokenizer(Protocol):
-    """Text <-> tokens and the chat template of a policy's model."""
+    """Text <-> tokens and the chat template of a policy's model.
+
+    A tokenizer may also expose what the reply parser (`rllm_async.rollout.reply_parser`) reads:
+    `model_type` and `chat_template` (strings, to detect the model family) and
+    `parse_response(text, prompt_ids, tools) -> dict | None` (its checkpoint's own parser).
+    """
 
     eos_token_id: int
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,12 @@ from rllm_async.config import ConfigError
 class HFTokenizer:
     """Adapts a `transformers` tokenizer to the `Tokenizer` protocol."""
 
-    def __init__(self, tok: Any) -> None:
+    def __init__(self, tok: Any, *, model_type: str | None = None) -> None:
         self._tok = tok
+        # What the reply parser detects the model family from (`rollout.reply_parser`).
+        self.model_type = model_type
+        template = getattr(tok, "chat_template", None)
+        self.chat_template: str | None = template if isinstance(template, str) else None
         self.eos_token_id: int = int(tok.eos_token_id)
         # The eos as text: a sampler stopping at strings needs it among them (see TinkerPolicy).
         self.eos_token: str = str(tok.eos_token)
@@ -48,6 +53,16 @@ class HFTokenizer:
             **template_kwargs,
         )
         return [int(i) for i in ids]
+
+    def parse_response(
+        self, text: str, prompt_ids: Sequence[int], tools: list[dict[str, Any]] | None
+    ) -> dict[str, Any] | None:
+        """The reply as a message, parsed by the checkpoint's own `response_template` (transformers'
+        `parse_response`); None when the tokenizer ships none."""
+        if getattr(self._tok, "response_template", None) is None:
+            return None
+        prefix = self._tok.decode(list(prompt_ids), skip_special_tokens=False)
+        return dict(self._tok.parse_response(text, prefix=prefix, tools=tools))
 
 
 def load_tokenizer(
@@ -87,4 +102,13 @@ def load_tokenizer(
         raise ConfigError(
             f"the tokenizer '{source}' defines no eos token: set {setting} to one that does"
         )
-    return HFTokenizer(tok)
+    return HFTokenizer(tok, model_type=_model_type(local / "config.json"))
+
+
+def _model_type(config_json: Path) -> str | None:
+    """`model_type` from a checkpoint's config.json, when there is one beside the tokenizer."""
+    try:
+        value = json.loads(config_json.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None

@@ -34,7 +34,6 @@ from rllm_async.gateway.sessions import Session, SessionStore
 from rllm_async.gateway.structured import format_error
 from rllm_async.rollout import ChatTemplateError, ChatTurn, ContextLengthError, RolloutContext
 from rllm_async.rollout.chat import cut_at_stop
-from rllm_async.rollout.tool_calls import forced_call_prefix
 
 log = logging.getLogger("rllm_async.gateway")
 SESSION_HEADER = "x-session-id"
@@ -300,7 +299,7 @@ class _API:
         messages = [m.to_chat() for m in req.messages]
         tools = req.tool_schemas
         forced = req.forced_tool
-        prefix = "" if forced is False else forced_call_prefix(None if forced is True else forced)
+        prefix = "" if forced is False else ctx.tool_call_prefix(None if forced is True else forced)
         kwargs = req.template_kwargs or None
         overrides = [self._sampling(req, session, i) for i in range(req.n)]
         turns = await self._run(
@@ -351,7 +350,7 @@ class _API:
         ctx = session.ctx if session is not None else self.gw.scratch_context()
         messages = chat_messages(req)
         forced = req.forced_tool
-        prefix = "" if forced is False else forced_call_prefix(None if forced is True else forced)
+        prefix = "" if forced is False else ctx.tool_call_prefix(None if forced is True else forced)
         sampling = self._temperature_top_p(req, session)
         if req.max_output_tokens is not None:
             sampling["max_tokens"] = req.max_output_tokens

@@ -18,6 +18,7 @@ from rllm_async.backends.base import PolicyClient, SamplingParams
 from rllm_async.gateway.app import build_app
 from rllm_async.gateway.sessions import Session, SessionStore
 from rllm_async.rollout import RolloutContext
+from rllm_async.rollout.reply_parser import ReplyParser
 
 log = logging.getLogger("rllm_async.gateway")
 
@@ -74,8 +75,10 @@ class Gateway:
         max_calls_per_session: int = 1_000,
         max_body_bytes: int = 4 * 2**20,
         export_path: Path | None = None,
+        parser: ReplyParser | None = None,
     ) -> None:
         self.policy = policy
+        self.parser = parser  # reads the replies of calls outside a rollout's context
         self.model = model
         self.api_key = api_key
         self.sampling = sampling or SamplingParams()
@@ -107,6 +110,7 @@ class Gateway:
             wait_unpaused=_never_paused,
             deadline=loop.time() + (ttl_s or self.session_ttl_s),
             task_id="serve",
+            parser=self.parser,
         )
         return self.sessions.open(ctx, locked=False)
 
@@ -119,6 +123,7 @@ class Gateway:
             wait_unpaused=_never_paused,
             deadline=float("inf"),
             task_id="",
+            parser=self.parser,
         )
 
     def session_url(self, session_id: str, request: Request | None = None) -> str:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rllm_async.backends.base import Completion, PolicyClient, SamplingParams
-from rllm_async.rollout.chat import ChatHistory, cut_at_stop
-from rllm_async.rollout.tool_calls import parse_tool_calls, tool_names
+from rllm_async.rollout.chat import ChatHistory
+from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
 from rllm_async.types import Episode, Step, Termination, Trajectory
 
 
@@ -29,8 +29,9 @@ class ChatTemplateError(ValueError):
 class ChatTurn:
     """One `RolloutContext.chat_turn`: the reply message, the recorded Step, and what was parsed.
 
-    `message` is an OpenAI-style assistant message (`content`, and `tool_calls` when tools were
-    given and the model called them); `tool_call_errors` names the malformed calls, which stay in
+    `message` is an OpenAI-style assistant message (`content`; `reasoning_content` when the model
+    reasoned, as its family writes it; `tool_calls` when tools were given and the model called
+    them), read by the context's `parser`; `tool_call_errors` names the malformed calls, which stay in
     `content`; `extended` tells whether the prompt extended an earlier turn's exact tokens.
     """
 
@@ -55,6 +56,9 @@ class RolloutContext:
     coordinator has paused model calls for a weight sync (`wait_unpaused`); that wait is not
     charged to the episode: it moves the deadline, and every `timeout()` scope with it.
 
+    `parser` reads the replies of chat calls (tool calls, reasoning) in the policy's model family;
+    by default it is detected from the policy's tokenizer (`reply_parser`).
+
     Per-step rewards (`set_step_reward`) are added to the actor's outcome reward (`set_reward`, or
     the float `run` returns) when the episode is built: the trajectory's reward, which the group
     advantage uses, is the outcome plus the sum of its steps' rewards.
@@ -72,8 +76,10 @@ class RolloutContext:
         rollout_index: int = 0,
         attempt: int = 0,
         version: int | None = None,
+        parser: ReplyParser | None = None,
     ) -> None:
         self.policy = policy
+        self.parser = parser or reply_parser(policy.tokenizer)
         self.sampling = sampling
         self._deadline = deadline
         self._scopes: dict[asyncio.Timeout, float] = {}  # open `timeout()` scopes: their margins
@@ -116,6 +122,11 @@ class RolloutContext:
     @property
     def pinned_version(self) -> int | None:
         return self._version
+
+    @property
+    def wait_unpaused(self) -> Callable[[], Awaitable[None]]:
+        """What every model call of this context waits on: the coordinator's weight-sync pause."""
+        return self._wait_unpaused
 
     @property
     def num_completion_tokens(self) -> int:
@@ -200,7 +211,8 @@ class RolloutContext:
         """One chat call, token-in/token-out: when `messages` continue an earlier reply of `actor`
         (its call's messages, then the reply), the prompt is that call's exact prompt + completion
         tokens followed by the rendering of only the new messages; otherwise the whole chat is
-        rendered. With `tools`, tool calls in the reply are parsed into OpenAI-style `tool_calls`.
+        rendered. With `tools`, tool calls in the reply are parsed into OpenAI-style `tool_calls`,
+        in the syntax of the policy's model family (`parser`).
         `prefix` opens the reply in the prompt (a forced tool call): its tokens are prompt tokens,
         never trained as the model's choice. `template_kwargs` go to the chat template.
 
@@ -216,20 +228,29 @@ class RolloutContext:
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from e
         prompt_ids += tok.encode(prefix)
         out, step = await self._generate(prompt_ids, actor, messages, sampling)
-        text = prefix + cut_at_stop(tok.decode(out.ids), sampling.get("stop", self.sampling.stop))
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        errors: list[str] = []
-        if tools:
-            index = len(self.trajectory(actor).steps) - 1
-            parsed = parse_tool_calls(text, tool_names(tools), id_prefix=f"call_{actor}_{index}")
-            message["content"], errors = parsed.content, parsed.errors
-            if parsed.tool_calls:
-                message["tool_calls"] = parsed.tool_calls
+        parsed = self.parser.read(
+            tok,
+            prompt_ids,
+            out.ids,
+            prefix=prefix,
+            stop=sampling.get("stop", self.sampling.stop),
+            tools=tools,
+            id_prefix=f"call_{actor}_{len(self.trajectory(actor).steps) - 1}",
+        )
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
         step.info["extended"] = extended
         if prefix:
             step.info["forced_prefix"] = prefix
         history.add(messages, message, tools, step.prompt_ids, step.completion_ids, template_kwargs)
-        return ChatTurn(copy.deepcopy(message), step, errors, extended)
+        return ChatTurn(copy.deepcopy(message), step, parsed.errors, extended)
+
+    def tool_call_prefix(self, name: str | None) -> str:
+        """The opening of a forced tool call in the policy's syntax: `name`'s call, or any call."""
+        return self.parser.tool.forced_prefix(name)
 
     async def _wait_out_sync(self) -> None:
         """Wait while a weight sync pauses model calls, with the deadline stopped meanwhile."""

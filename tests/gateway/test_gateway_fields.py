@@ -12,7 +12,7 @@ import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from rllm_async.backends.toy_tokenizers import CharTokenizer
-from rllm_async.rollout.tool_calls import forced_call_prefix
+from rllm_async.rollout.tool_parsers import HermesParser
 from tests.gateway.test_gateway import CALC, KEY, serving
 from tests.scripted import ScriptedPolicy, context
 
@@ -26,9 +26,9 @@ def forcing_policy() -> ScriptedPolicy:
     """Completes a forced call's opening, calls `calc` when free to choose, answers after a tool."""
 
     def reply(prompt: str) -> str:
-        if prompt.endswith(forced_call_prefix("calc")):
+        if prompt.endswith(HermesParser().forced_prefix("calc")):
             return '{"expr": "6*7"}}</tool_call>'
-        if prompt.endswith(forced_call_prefix(None)):
+        if prompt.endswith(HermesParser().forced_prefix(None)):
             return 'calc", "arguments": {"expr": "6*7"}}</tool_call>'
         return "42" if "<|tool|>" in prompt else "I think it is 42"
 
@@ -58,7 +58,7 @@ def test_a_forced_tool_call_opens_in_the_prompt_and_is_not_trained(choice: Any) 
                 "expr": "6*7"
             }
             step = session.ctx.trajectory().steps[0]
-            prefix = forced_call_prefix("calc" if choice == NAMED else None)
+            prefix = HermesParser().forced_prefix("calc" if choice == NAMED else None)
             # The forced opening is prompt (loss-masked); the model sampled only the rest.
             assert policy.text(step.prompt_ids).endswith(prefix)
             assert not policy.text(step.completion_ids).startswith("<tool_call>")

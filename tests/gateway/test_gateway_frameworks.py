@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from rllm_async.gateway import Gateway
-from rllm_async.rollout.tool_calls import TOOL_CALL_OPEN, forced_call_prefix
+from rllm_async.rollout.tool_parsers import HermesParser
 from tests.gateway.test_gateway import serving
 from tests.scripted import ScriptedPolicy, context
 
@@ -38,7 +38,7 @@ def reply(prompt: str) -> str:
     """Call `calc` until its result is in the prompt, then answer (as JSON, or through the tool a
     forced call names: `final_answer`, or a structured-output function)."""
     done = RESULT in prompt
-    if prompt.endswith(forced_call_prefix(None)):
+    if prompt.endswith(HermesParser().forced_prefix(None)):
         if done:
             return 'final_answer", "arguments": {"answer": "42"}}</tool_call>'
         return 'calc", "arguments": {"expr": "6*7"}}</tool_call>'
@@ -46,7 +46,7 @@ def reply(prompt: str) -> str:
         args = {"expr": "6*7"} if m.group(1) == "calc" else {"answer": 42}
         return json.dumps(args) + "}</tool_call>"
     if not done and '"name": "calc"' in prompt:
-        return f'{TOOL_CALL_OPEN}{{"name": "calc", "arguments": {{"expr": "6*7"}}}}</tool_call>'
+        return '<tool_call>{"name": "calc", "arguments": {"expr": "6*7"}}</tool_call>'
     return FINAL
 
 

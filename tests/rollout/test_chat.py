@@ -10,7 +10,7 @@ import pytest
 
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.rollout.chat import ChatHistory, continuation_ids
-from rllm_async.rollout.tool_calls import parse_tool_calls
+from rllm_async.rollout.tool_parsers import HermesParser
 from rllm_async.vclock import run
 from tests.scripted import ScriptedPolicy, context
 
@@ -19,7 +19,7 @@ CALC = {"type": "function", "function": {"name": "calc", "parameters": {"type": 
 
 def test_tool_calls_are_parsed_from_the_documented_syntax() -> None:
     text = 'Let me compute. <tool_call>{"name": "calc", "arguments": {"expr": "3*4"}}</tool_call>'
-    parsed = parse_tool_calls(text, {"calc"})
+    parsed = HermesParser().parse(text, {"calc": {}})
     assert parsed.content == "Let me compute."
     assert parsed.errors == []
     [call] = parsed.tool_calls
@@ -39,14 +39,14 @@ def test_tool_calls_are_parsed_from_the_documented_syntax() -> None:
 )
 def test_malformed_tool_calls_are_reported_not_raised(body: str, error: str) -> None:
     text = f"<tool_call>{body}</tool_call>"
-    parsed = parse_tool_calls(text, {"calc"})
+    parsed = HermesParser().parse(text, {"calc": {}})
     assert parsed.tool_calls == []
     assert len(parsed.errors) == 1 and error in parsed.errors[0]
     assert parsed.content == text  # the malformed block stays visible
 
 
 def test_an_unterminated_tool_call_is_an_error() -> None:
-    parsed = parse_tool_calls('ok <tool_call>{"name": "calc"', {"calc"})
+    parsed = HermesParser().parse('ok <tool_call>{"name": "calc"', {"calc": {}})
     assert parsed.tool_calls == [] and "unterminated" in parsed.errors[0]
 
 
