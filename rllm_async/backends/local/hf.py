@@ -1,8 +1,9 @@
 """Local Hugging Face checkpoints of the Llama family, loaded into our own decoder.
 
-Only files in the given directory are read (never a download). `transformers` is imported lazily,
-for the tokenizer and its chat template; the weights go into `model.Transformer`, so sampling and
-training use the same code as the built-in presets.
+Only local files are read, a checkpoint directory or a Hub id's snapshot in the local Hugging Face
+cache (never a download). `transformers` is imported lazily, for the tokenizer and its chat
+template; the weights go into `model.Transformer`, so sampling and training use the same code as
+the built-in presets.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,11 @@ import torch
 
 from rllm_async.backends.hf_tokenizer import HFTokenizer, load_tokenizer
 from rllm_async.backends.local.model import ModelConfig
+from rllm_async.backends.local.rope import RopeScaling, yarn_attention_factor
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 @dataclass
@@ -37,7 +42,8 @@ class Checkpoint:
 def load_checkpoint(path: Path) -> Checkpoint:
     """Read config, weights and tokenizer of a local checkpoint; refuse what we cannot run.
 
-    `path` is a checkpoint directory, or a `.gguf` file (dequantized once into a cache directory).
+    `path` is a checkpoint directory, a Hub id cached locally, or a `.gguf` file (dequantized once
+    into a cache directory).
     """
     path = checkpoint_dir(path)
     if not (path / "config.json").is_file():
@@ -53,12 +59,16 @@ def load_checkpoint(path: Path) -> Checkpoint:
         eos = json.loads(gen_file.read_text()).get("eos_token_id")
         stop_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    max_positions = int(raw.get("max_position_embeddings", 2048))
+    if config.rope_scaling is not None and config.rope_scaling.kind == "yarn":
+        scaling = config.rope_scaling  # max_position_embeddings may be the unscaled context
+        max_positions = max(max_positions, int(scaling.factor * scaling.original_max_positions))
     return Checkpoint(
         config=config,
         state=_load_weights(path),
         tokenizer=tokenizer,
         stop_ids=tuple(sorted(stop_ids)),
-        max_positions=int(raw.get("max_position_embeddings", 2048)),
+        max_positions=max_positions,
         sliding_window=window,
     )
 
@@ -72,8 +82,6 @@ def model_config(raw: dict[str, Any], path: Path) -> ModelConfig:
             f"(supported: {', '.join(SUPPORTED)}); use another backend for it"
         )
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"{path}: rope scaling {rope} is not supported by the local backend")
     for key in ("attention_bias", "mlp_bias"):
         if kind == "llama" and raw.get(key):
             raise ValueError(f"{path}: llama with {key}=true is not supported by the local backend")
@@ -92,6 +100,62 @@ def model_config(raw: dict[str, Any], path: Path) -> ModelConfig:
         qkv_bias=kind == "qwen2",
         qk_norm=kind == "qwen3",
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope_scaling=rope_scaling(raw, path),
+    )
+
+
+def rope_scaling(raw: dict[str, Any], path: Path) -> RopeScaling | None:
+    """A config.json's RoPE scaling, its defaults as transformers fills them; None: plain RoPE.
+
+    `dynamic` (NTK) runs as plain RoPE: transformers stretches its base only for sequences longer
+    than `max_position_embeddings`, which `backend.max_seq_len` may not exceed.
+    """
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"{path}: rope_type '{kind}' is not supported by the local backend "
+            f"(supported: {', '.join(ROPE_TYPES)})"
+        )
+    if rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(
+            f"{path}: partial rotary embeddings are not supported by the local backend"
+        )
+    if kind in ("default", "dynamic"):
+        return None
+    max_positions = int(raw.get("max_position_embeddings", 2048))
+    original = int(
+        raw.get("original_max_position_embeddings")
+        or rope.get("original_max_position_embeddings")
+        or max_positions
+    )
+    factor = rope.get("factor")
+    if kind == "yarn":
+        factor = float(factor or max_positions / original)
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = yarn_attention_factor(
+                factor, rope.get("mscale"), rope.get("mscale_all_dim")
+            )
+        return RopeScaling(
+            "yarn",
+            factor,
+            original,
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            truncate=bool(rope.get("truncate", True)),
+            attention_factor=float(attention),
+        )
+    if factor is None:
+        raise ValueError(f"{path}: rope scaling {rope} has no factor")
+    if kind == "linear":
+        return RopeScaling("linear", float(factor), original)
+    return RopeScaling(
+        "llama3",
+        float(factor),
+        original,
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
     )
 
 
@@ -114,9 +178,30 @@ def _load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_dir(path: Path) -> Path:
-    """The checkpoint directory of `backend.model_path`: itself, or a `.gguf` file's dequantized
-    copy (made once, in a cache directory)."""
-    return gguf_to_checkpoint(path) if path.suffix == ".gguf" else path
+    """The checkpoint directory of `backend.model_path`: itself, a `.gguf` file's dequantized
+    copy (made once, in a cache directory), or a Hub id's snapshot in the local Hugging Face cache."""
+    if path.suffix == ".gguf":
+        return gguf_to_checkpoint(path)
+    if not path.exists() and HUB_ID.fullmatch(str(path)):
+        return hub_snapshot(str(path))
+    return path
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The newest snapshot of a Hub model in the local Hugging Face cache; never downloads."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError as e:
+        raise ValueError(
+            f"backend.model_path {repo_id}: no such directory, and no snapshot of the Hugging Face "
+            f"Hub model {repo_id} in the local cache ({constants.HF_HUB_CACHE}); nothing is "
+            f"downloaded at run time: fetch it first with `hf download {repo_id}` "
+            f"(`huggingface-cli download {repo_id}` with older huggingface_hub), or give a "
+            "checkpoint directory"
+        ) from e
 
 
 def gguf_to_checkpoint(file: Path, cache_root: Path | None = None) -> Path:

@@ -1,4 +1,5 @@
-"""A Llama-style decoder in plain PyTorch: RoPE, RMSNorm, SwiGLU, optional GQA and tied embeddings.
+"""A Llama-style decoder in plain PyTorch: RoPE (optionally scaled), RMSNorm, SwiGLU, optional GQA
+and tied embeddings.
 
 Module names follow the Hugging Face Llama/Qwen layout, except that the q/k/v projections are one
 `qkv_proj` and the gate/up projections one `gate_up_proj`: one matmul each instead of three and
@@ -14,6 +15,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from rllm_async.backends.local.rope import RopeScaling, inv_frequencies
 
 
 class AttentionView(Protocol):
@@ -44,6 +47,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     tie_embeddings: bool = True
+    rope_scaling: RopeScaling | None = None
 
     @property
     def kv_heads(self) -> int:
@@ -183,13 +187,14 @@ class Transformer(nn.Module):
         else:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         x = self.embed_tokens(tokens)
-        hdim = self.cfg.hdim
-        inv_freq = self.cfg.rope_theta ** -(
-            torch.arange(0, hdim, 2, device=x.device).float() / hdim
-        )
+        scaling = self.cfg.rope_scaling
+        inv_freq = inv_frequencies(self.cfg.hdim, self.cfg.rope_theta, scaling, x.device)
         freqs = positions.unsqueeze(-1).float() * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)  # [B, T, 1, head_dim]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if scaling is not None and scaling.attention_factor != 1.0:
+            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.layers:
             x = block(x, cos, sin, view)
         return self.norm(x)
