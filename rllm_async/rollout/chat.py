@@ -94,23 +94,30 @@ def continuation_ids(
 ) -> list[int]:
     """Tokens that follow an assistant turn's exact `completion_ids` to render `new_messages`.
 
-    The template renders a fixed two-turn chat with and without the new messages; the difference is
-    the new turns. The tokens the template puts after an assistant turn's EOS (a newline, for
-    ChatML) come first, preceded by the EOS itself when the completion did not end with it
-    (a length- or stop-string-truncated reply).
+    The template renders a fixed two-turn chat with and without the new messages; what follows
+    the reply's EOS in the longer rendering is the new turns, preceded by what the template puts
+    after an assistant turn's EOS (a newline, for ChatML). The reply's EOS is found by rank, so a
+    template that renders the reply differently once turns follow it (Qwen3 drops its empty
+    `<think>` block) still gives the new turns only. The EOS itself comes first when the
+    completion did not end with it (a length- or stop-string-truncated reply).
     """
     base = render(tok, list(_BASE), tools, template_kwargs, add_generation_prompt=False)
     full = render(tok, [*_BASE, *template_messages(new_messages)], tools, template_kwargs)
-    if full[: len(base)] != base:
-        raise ValueError("the chat template does not render new turns as a suffix of the history")
     eos = tok.eos_token_id
-    trailer = base[_last_index(base, eos) + 1 :] if eos in base else []
     closing = [] if completion_ids and completion_ids[-1] == eos else [eos]
-    return [*closing, *trailer, *full[len(base) :]]
-
-
-def _last_index(ids: list[int], value: int) -> int:
-    return len(ids) - 1 - ids[::-1].index(value)
+    if eos not in base:
+        if full[: len(base)] != base:
+            raise ValueError(
+                "the chat template does not render new turns as a suffix of the history"
+            )
+        return [*closing, *full[len(base) :]]
+    base_ends = [i for i, t in enumerate(base) if t == eos]
+    ends = [i for i, t in enumerate(full) if t == eos]
+    k = len(base_ends)  # the reply's EOS is the k-th in both renderings
+    before = base_ends[-2] + 1 if k > 1 else 0  # the turns before the reply's
+    if len(ends) < k or full[:before] != base[:before]:
+        raise ValueError("the chat template renders the turns before the reply differently")
+    return [*closing, *full[ends[k - 1] + 1 :]]
 
 
 @dataclass(slots=True)
