@@ -188,10 +188,7 @@ class WandbSink:
         resume: bool = False,
     ) -> None:
         wandb = _import("wandb", "logging.wandb.enabled", "wandb")
-        mode, why = wandb_mode(settings.mode)
-        # Offline for want of credentials is what a user would not expect: said as a warning.
-        level = logging.WARNING if settings.mode == "auto" and mode == "offline" else logging.INFO
-        logger.log(level, "wandb: logging %s (%s)", mode, why)
+        mode = wandb_mode(settings.mode)
         directory.mkdir(parents=True, exist_ok=True)
         id_file = directory / "wandb_run_id"
         resume_id = id_file.read_text().strip() if resume and id_file.is_file() else None
@@ -218,26 +215,29 @@ class WandbSink:
         self._run.finish()
 
 
-def wandb_mode(mode: str) -> tuple[str, str]:
-    """The mode wandb runs in, and why. `auto` follows `$WANDB_MODE` when set, else is online when
-    wandb finds credentials where it keeps them (`$WANDB_API_KEY`, `wandb login`'s netrc, its
-    settings), offline when it finds none."""
+def wandb_mode(mode: str) -> str:
+    """The mode wandb runs in, logged with the reason. `auto` follows `$WANDB_MODE` when set, else
+    is online when wandb finds credentials where it keeps them (`$WANDB_API_KEY`, `wandb login`'s
+    netrc, its settings), offline with a warning when it finds none."""
+    level, env = logging.INFO, os.environ.get("WANDB_MODE")
     if mode != "auto":
-        return mode, f"logging.wandb.mode is {mode}"
-    if os.environ.get("WANDB_MODE"):
-        env = os.environ["WANDB_MODE"]
-        return env, f"logging.wandb.mode is auto and WANDB_MODE={env}"
-    import wandb
+        why = f"logging.wandb.mode is {mode}"
+    elif env:
+        mode, why = env, f"logging.wandb.mode is auto and WANDB_MODE={env}"
+    else:
+        import wandb
 
-    if wandb.login(prompt=False, verify=False):
-        return (
-            "online",
-            "wandb found credentials: WANDB_API_KEY, `wandb login`'s netrc or its settings",
-        )
-    return "offline", (
-        "wandb found no credentials: run `wandb login` or set WANDB_API_KEY to log online; "
-        "`wandb sync` uploads an offline run later"
-    )
+        if wandb.login(prompt=False, verify=False):
+            mode = "online"
+            why = "wandb found credentials: WANDB_API_KEY, `wandb login`'s netrc or its settings"
+        else:
+            level, mode = logging.WARNING, "offline"
+            why = (
+                "wandb found no credentials: run `wandb login` or set WANDB_API_KEY to log "
+                "online; `wandb sync` uploads an offline run later"
+            )
+    logger.log(level, "wandb: logging %s (%s)", mode, why)
+    return mode
 
 
 class TensorBoardSink:
