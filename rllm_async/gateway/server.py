@@ -8,7 +8,7 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import uvicorn
@@ -60,6 +60,8 @@ class Gateway:
     A session records every call (exact prompt and completion tokens, logprobs, versions) as Steps
     of its `RolloutContext`; `sessions.close(id)` forgets it. With `open_sessions` (standalone
     `serve`) clients open and delete sessions over HTTP, and sessions expire after `session_ttl_s`.
+    A call outside any session waits on the pause of the contexts given to `session` (a trainer's
+    weight sync, which every rollout's context shares), so no weights half-updated serve it.
     """
 
     def __init__(
@@ -93,11 +95,14 @@ class Gateway:
         self.url = ""
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
+        self._wait_unpaused: Callable[[], Awaitable[None]] = _never_paused
 
     # -- sessions -------------------------------------------------------------------------------
 
     def session(self, ctx: RolloutContext) -> Session:
-        """A session recording into a rollout's `ctx`, sampling with its temperature and top_p."""
+        """A session recording into a rollout's `ctx`, sampling with its temperature and top_p;
+        calls outside a session wait on `ctx`'s pause from now on."""
+        self._wait_unpaused = ctx.wait_unpaused
         return self.sessions.open(ctx, locked=True)
 
     def open_session(self, ttl_s: float | None = None) -> Session:
@@ -120,7 +125,7 @@ class Gateway:
             self.policy,
             sampling=self.sampling,
             pin=False,
-            wait_unpaused=_never_paused,
+            wait_unpaused=self._wait_unpaused,
             deadline=float("inf"),
             task_id="",
             parser=self.parser,

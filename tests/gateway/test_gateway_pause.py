@@ -4,10 +4,11 @@ versions say which weights served each token."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from rllm_async.backends.base import SamplingParams
 from rllm_async.rollout import RolloutContext
-from tests.gateway.test_gateway import openai, serving
+from tests.gateway.test_gateway import KEY, openai, serving
 from tests.scripted import ScriptedPolicy
 
 
@@ -44,5 +45,41 @@ def test_calls_during_a_pause_queue_and_are_served_by_the_new_weights() -> None:
         assert [r.system_fingerprint for r in replies] == ["policy-v1"] * 8
         steps = ctx.trajectory().steps
         assert len(steps) == 8 and all(set(s.versions) == {1} for s in steps)
+
+    asyncio.run(go())
+
+
+def test_calls_outside_a_session_wait_for_the_sessions_pause() -> None:
+    policy = ScriptedPolicy(lambda prompt: "ok")
+
+    async def go() -> None:
+        unpaused = asyncio.Event()
+        ctx = RolloutContext(
+            policy,
+            sampling=SamplingParams(max_tokens=16),
+            pin=False,
+            wait_unpaused=unpaused.wait,
+            deadline=1e9,
+            task_id="t",
+        )
+        async with serving(policy) as gateway:
+            client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=KEY)
+            messages: Any = [{"role": "user", "content": "q"}]
+            r = await client.chat.completions.create(model="policy", messages=messages)
+            assert r.system_fingerprint == "policy-v0"  # no session yet: nothing to wait on
+            gateway.session(ctx)  # the trainer's rollouts share the coordinator's pause
+            call = asyncio.create_task(
+                client.chat.completions.create(model="policy", messages=messages)
+            )
+            text = asyncio.create_task(
+                client.completions.create(model="policy", prompt="q", max_tokens=4)
+            )
+            await asyncio.sleep(0.3)
+            assert not call.done() and not text.done() and len(policy.calls) == 1
+            policy.version = 1
+            unpaused.set()
+            r, t = await asyncio.wait_for(asyncio.gather(call, text), 30)
+        assert r.system_fingerprint == "policy-v1" and t.choices[0].text == "ok"
+        assert ctx.trajectory().steps == []  # served, not recorded in the session
 
     asyncio.run(go())
