@@ -470,6 +470,8 @@ class _API:
         for choice in body["choices"]:
             i, message = choice["index"], choice["message"]
             chunks.append(chunk(i, {"role": "assistant", "content": ""}))
+            if message.get("reasoning_content"):
+                chunks.append(chunk(i, {"reasoning_content": message["reasoning_content"]}))
             if message["content"] or choice["logprobs"]:
                 chunks.append(
                     chunk(i, {"content": message["content"] or ""}, logprobs=choice["logprobs"])

@@ -1,0 +1,40 @@
+"""Reasoning through the gateway: `reasoning_content` beside the content, streamed as a delta, and
+the reasoning tokens recorded for training."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+
+from rllm_async.rollout.reply_parser import reply_parser
+from tests.gateway.test_gateway import CALC, KEY, serving
+from tests.scripted import ScriptedPolicy
+
+REPLY = '<think>6*7 needs the tool</think><tool_call>{"name": "calc", "arguments": {}}</tool_call>'
+
+
+def test_reasoning_comes_back_as_reasoning_content_and_stays_in_the_tokens() -> None:
+    policy = ScriptedPolicy(lambda prompt: REPLY)
+    messages = [{"role": "user", "content": "6*7?"}]
+
+    async def go() -> None:
+        parser = reply_parser(policy.tok, "hermes", "think")
+        async with serving(policy, parser=parser) as gateway:
+            client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=KEY)
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[CALC]
+            )
+            message = reply.choices[0].message
+            assert message.model_extra == {"reasoning_content": "6*7 needs the tool"}
+            assert message.content is None and message.tool_calls
+            stream = await client.chat.completions.create(
+                model="policy", messages=messages, tools=[CALC], stream=True
+            )
+            deltas = [c.choices[0].delta async for c in stream if c.choices]
+            thoughts = [d.model_extra.get("reasoning_content") for d in deltas if d.model_extra]
+            assert "6*7 needs the tool" in thoughts
+
+    asyncio.run(go())
+    _, completion = policy.calls[0]
+    assert policy.text(completion).startswith("<think>6*7 needs the tool</think>")
