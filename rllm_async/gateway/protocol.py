@@ -305,10 +305,18 @@ class FunctionCallOutputItem(BaseModel):
         return output if isinstance(output, str) else "".join(p.text for p in output)
 
 
+class ReasoningItem(BaseModel):
+    """A `reasoning` output item sent back: ignored, as chat's `reasoning_content` is (the recorded
+    tokens keep the reasoning)."""
+
+    type: Literal["reasoning"]
+
+
 _ITEM_TAGS = {
     "message": "Message",
     "function_call": "FunctionCall",
     "function_call_output": "FunctionCallOutput",
+    "reasoning": "Reasoning",
 }
 
 
@@ -320,7 +328,8 @@ def _item_tag(item: Any) -> str | None:
 InputItem = Annotated[
     Annotated[InputMessage, Tag("Message")]
     | Annotated[FunctionCallItem, Tag("FunctionCall")]
-    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")]
+    | Annotated[ReasoningItem, Tag("Reasoning")],
     Discriminator(_item_tag),
 ]
 

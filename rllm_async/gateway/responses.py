@@ -23,6 +23,9 @@ from openai.types.responses import (
     ResponseOutputItemDoneEvent,
     ResponseOutputMessage,
     ResponseOutputText,
+    ResponseReasoningItem,
+    ResponseReasoningTextDeltaEvent,
+    ResponseReasoningTextDoneEvent,
     ResponseStreamEvent,
     ResponseTextDeltaEvent,
     ResponseTextDoneEvent,
@@ -30,6 +33,7 @@ from openai.types.responses import (
     Tool,
 )
 from openai.types.responses.response import IncompleteDetails
+from openai.types.responses.response_reasoning_item import Content as ReasoningText
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 
 from rllm_async.gateway.protocol import (
@@ -45,7 +49,7 @@ from rllm_async.rollout import ChatTurn
 def chat_messages(req: ResponseRequest) -> list[dict[str, Any]]:
     """`instructions` and `input` as chat messages: a reply's message and the `function_call`
     items after it are one assistant turn, as the chat path recorded it (so the next call extends
-    its tokens); a `function_call_output` is a tool message."""
+    its tokens); a `function_call_output` is a tool message; `reasoning` items are left out."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
@@ -65,8 +69,7 @@ def chat_messages(req: ResponseRequest) -> list[dict[str, Any]]:
             last.setdefault("tool_calls", []).append(
                 {"id": item.call_id, "type": "function", "function": call}
             )
-        else:
-            assert isinstance(item, FunctionCallOutputItem)
+        elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "content": item.text, "tool_call_id": item.call_id})
     return messages
 
@@ -74,9 +77,21 @@ def chat_messages(req: ResponseRequest) -> list[dict[str, Any]]:
 def response_object(
     req: ResponseRequest, turn: ChatTurn, *, model: str, temperature: float, top_p: float
 ) -> Response:
-    """The chat turn as a completed `Response` (`incomplete` when it hit `max_output_tokens`)."""
+    """The chat turn as a completed `Response` (`incomplete` when it hit `max_output_tokens`):
+    its reasoning, its text and its function calls, each an output item."""
     message = turn.message
     output: list[Any] = []
+    if message.get("reasoning_content"):
+        thought = ReasoningText(type="reasoning_text", text=message["reasoning_content"])
+        output.append(
+            ResponseReasoningItem(
+                id=f"rs_{secrets.token_hex(12)}",
+                type="reasoning",
+                summary=[],
+                content=[thought],
+                status="completed",
+            )
+        )
     if message.get("content"):
         text = ResponseOutputText(type="output_text", text=message["content"], annotations=[])
         output.append(
@@ -146,7 +161,8 @@ def response_object(
 
 def stream_events(response: Response) -> list[ResponseStreamEvent]:
     """A finished response as the Responses API streams one: created, in progress, each output
-    item (added, its text or arguments as one delta, done), then completed or incomplete."""
+    item (added, its reasoning, text or arguments as one delta, done), then completed or
+    incomplete."""
     pending = response.model_copy(update={"status": "in_progress", "output": [], "usage": None})
     events: list[Any] = [
         ResponseCreatedEvent(type="response.created", response=pending, sequence_number=0),
@@ -155,6 +171,8 @@ def stream_events(response: Response) -> list[ResponseStreamEvent]:
     for index, item in enumerate(response.output):
         if isinstance(item, ResponseOutputMessage):
             events += _message_events(index, item)
+        elif isinstance(item, ResponseReasoningItem):
+            events += _reasoning_events(index, item)
         else:
             assert isinstance(item, ResponseFunctionToolCall)
             events += _call_events(index, item)
@@ -196,6 +214,28 @@ def _message_events(index: int, item: ResponseOutputMessage) -> list[Any]:
         ),
         ResponseContentPartDoneEvent(
             type="response.content_part.done", content_index=0, part=part, **at
+        ),
+        ResponseOutputItemDoneEvent(
+            type="response.output_item.done", item=item, output_index=index, sequence_number=0
+        ),
+    ]
+
+
+def _reasoning_events(index: int, item: ResponseReasoningItem) -> list[Any]:
+    [thought] = item.content or []
+    at: dict[str, Any] = {"item_id": item.id, "output_index": index, "sequence_number": 0}
+    return [
+        ResponseOutputItemAddedEvent(
+            type="response.output_item.added",
+            item=item.model_copy(update={"status": "in_progress", "content": []}),
+            output_index=index,
+            sequence_number=0,
+        ),
+        ResponseReasoningTextDeltaEvent(
+            type="response.reasoning_text.delta", content_index=0, delta=thought.text, **at
+        ),
+        ResponseReasoningTextDoneEvent(
+            type="response.reasoning_text.done", content_index=0, text=thought.text, **at
         ),
         ResponseOutputItemDoneEvent(
             type="response.output_item.done", item=item, output_index=index, sequence_number=0

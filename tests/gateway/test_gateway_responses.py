@@ -10,9 +10,17 @@ from typing import Any
 
 import httpx
 import pytest
-from openai.types.responses import Response, ResponseFunctionToolCall, ResponseStreamEvent
+from openai.types.responses import (
+    Response,
+    ResponseFunctionToolCall,
+    ResponseReasoningItem,
+    ResponseStreamEvent,
+)
 from pydantic import TypeAdapter
 
+from rllm_async.backends.base import SamplingParams
+from rllm_async.rollout import RolloutContext
+from rllm_async.rollout.reply_parser import reply_parser
 from tests.gateway.test_gateway import KEY, serving
 from tests.gateway.test_gateway_frameworks import FINAL, RESULT, Answer, calc, reply
 from tests.scripted import ScriptedPolicy, context
@@ -139,6 +147,45 @@ def test_max_output_tokens_makes_an_incomplete_response() -> None:
                 model="policy", input="q", max_output_tokens=3, stream=True
             )
             assert [e.type async for e in stream][-1] == "response.incomplete"
+
+    asyncio.run(go())
+
+
+def test_reasoning_is_an_output_item_and_ignored_when_sent_back() -> None:
+    policy = ScriptedPolicy(lambda p: "<think>6 times 7</think>42")
+
+    async def go() -> None:
+        unpaused = asyncio.Event()
+        unpaused.set()
+        async with serving(policy) as gateway:
+            ctx = RolloutContext(
+                policy,
+                sampling=SamplingParams(max_tokens=64),
+                pin=True,
+                wait_unpaused=unpaused.wait,
+                deadline=1e9,
+                task_id="t",
+                parser=reply_parser(policy.tok, reasoning_parser="think"),
+            )
+            session = gateway.session(ctx)
+            client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=session.key)
+            items: list[Any] = [{"role": "user", "content": "6*7?"}]
+            r = await client.responses.create(model="policy", input=items)
+            thought, _ = r.output
+            assert isinstance(thought, ResponseReasoningItem) and thought.content is not None
+            assert thought.content[0].text == "6 times 7" and r.output_text == "42"
+            items += [item.model_dump(exclude_none=True) for item in r.output]
+            items.append({"role": "user", "content": "and 6*8?"})
+            await client.responses.create(model="policy", input=items)
+            assert session.ctx.trajectory().steps[1].info["extended"]
+            stream = await client.responses.create(model="policy", input="q", stream=True)
+            kinds = [e.type async for e in stream]
+            assert kinds[2:6] == [
+                "response.output_item.added",
+                "response.reasoning_text.delta",
+                "response.reasoning_text.done",
+                "response.output_item.done",
+            ]
 
     asyncio.run(go())
 
