@@ -37,6 +37,7 @@ from rllm_async.step_record import (
     solved_metrics,
 )
 from rllm_async.workflows.base import Workflow
+from rllm_async.workload_record import WorkloadRecorder
 
 
 class UnifiedTrainer:
@@ -174,6 +175,11 @@ class _Fit:
             asyncio.get_running_loop().time(),
         )
         self.checkpointed = -1
+        self.workload = WorkloadRecorder(
+            _workload_meta(cfg, trainer.virtual_clock),
+            start=asyncio.get_running_loop().time(),
+            seed=cfg.seed,
+        )
 
     def _epoch_started(self, epoch: int) -> None:
         for cb in self.callbacks:
@@ -210,6 +216,7 @@ class _Fit:
         if self._count_groups(coord.snapshot()):
             self.record.flush_extra(coord.version, asyncio.get_running_loop().time())
         self.record.close()
+        self.workload.write(self.run_path)
         try:
             try:
                 await asyncio.wait_for(self.workflow.close(), timeout=30)
@@ -248,8 +255,11 @@ class _Fit:
     async def _rollout(self, dispatch: Dispatch, index: int) -> None:
         """One rollout of a dispatched group, into the buffer; the group's end when it completes."""
         ro, record = self.config.rollout, self.record
+        loop = asyncio.get_running_loop()
         async with self.slots:
             self.coordinator.rollout_started()
+            token = self.workload.started(loop.time())
+            episode = None
             try:
                 rollout = await run_rollout(
                     self.workflow,
@@ -264,9 +274,10 @@ class _Fit:
                     rollout_index=index,
                     parser=configured_parser(self.config, self.policy),
                 )
+                episode = rollout.episode
             finally:
                 self.coordinator.rollout_finished()
-        episode = rollout.episode
+                self.workload.finished(loop.time(), token, episode)
         if episode is None:
             record.add({"rollout/failures": 1})
         else:
@@ -360,7 +371,8 @@ class _Fit:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         record.add(await self.backend.optim_step(), OPTIM_STEP)
-        record.add({"time/optim_step_s": loop.time() - t0})
+        optim_s = loop.time() - t0
+        record.add({"time/optim_step_s": optim_s})
         version = coord.version + 1
         hook_s = sync_s = 0.0
         if coord.sync_due(version) or version >= self.config.train.total_steps:
@@ -374,6 +386,7 @@ class _Fit:
                 "async/trainer_idle_s": idle,
             }
         )
+        self.workload.step(version, loop.time(), optim_s, sync_s)
 
     async def _forward_backward(self, micro: list[ReadyGroup]) -> None:
         loop = asyncio.get_running_loop()
@@ -383,7 +396,9 @@ class _Fit:
             await self.backend.forward_backward(groups, self.config.algorithm.loss),
             FORWARD_BACKWARD,
         )
-        self.record.add({"time/forward_backward_s": loop.time() - t0})
+        seconds = loop.time() - t0
+        self.record.add({"time/forward_backward_s": seconds})
+        self.workload.trained(sum(g.num_completion_tokens for g in groups), seconds)
 
     async def _after_step(
         self, num_groups: int, generation: asyncio.Task[None], evals: asyncio.TaskGroup
@@ -456,6 +471,25 @@ class _Fit:
         keep_last = self.config.checkpoint.keep_last
         await checkpoint.save(self.run_path, self.backend, version, state, keep_last)
         self.checkpointed = version
+
+
+def _workload_meta(config: Config, virtual_clock: bool) -> dict[str, Any]:
+    """The settings a recorded workload was run under, for `rllm-async plan`."""
+    co, ro, tr = config.coordinator, config.rollout, config.train
+    return {
+        "backend": config.backend.name,
+        "virtual_clock": virtual_clock,
+        "mode": config.mode,
+        "pipeline_depth": co.pipeline_depth,
+        "max_staleness": co.max_staleness,
+        "stale_policy": co.stale_policy,
+        "weight_update": co.weight_update,
+        "groups_per_step": tr.groups_per_step,
+        "micro_batch_groups": tr.micro_batch_groups,
+        "group_size": ro.group_size,
+        "max_concurrency": ro.max_concurrency,
+        "max_tokens": ro.max_tokens,
+    }
 
 
 def _write_config(config: Config, path: Path) -> None:

@@ -1,0 +1,188 @@
+"""The workload a run records for `rllm-async plan`: rollout lengths and times, train and sync times.
+
+Bounded in size: rollouts are a reservoir sample of at most `cap` rows, steps the first `cap`.
+Each rollout also carries the mean number of rollouts active while it ran and, for each `c` in
+`OFFSETS`, the integral of dt / (active + c) over its life: under processor sharing with
+R(n) = rmax n / (n + n_half) a rollout of L tokens has L = rmax * that integral at c = n_half, so
+the engine's decode rate as a function of concurrency can be fitted from the rows alone.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rllm_async.types import Episode
+
+FILE_NAME = "workload.jsonl"
+CAP = 2048
+OFFSETS = (0.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
+
+
+@dataclass(slots=True)
+class RolloutRow:
+    """One finished rollout: tokens, turns, virtual or real seconds, and the mean active rollouts."""
+
+    start: float
+    end: float
+    prompt: int
+    completion: int
+    turns: int
+    active: float
+    inv: list[float]
+    tool_s: float | None = None
+
+
+@dataclass(slots=True)
+class StepRow:
+    """One optimizer step: completion tokens trained, their forward-backward, optim and sync time."""
+
+    step: int
+    end: float
+    tokens: int
+    train_s: float
+    optim_s: float
+    sync_s: float
+
+
+@dataclass(slots=True)
+class _Kept:
+    """A started rollout the reservoir keeps: its slot, start time and the counters then."""
+
+    slot: int
+    start: float
+    area: float
+    inv: list[float]
+
+
+@dataclass(slots=True)
+class Workload:
+    """A recorded workload: the run's settings (`meta`), sampled rollouts and steps."""
+
+    meta: dict[str, Any]
+    rollouts: list[RolloutRow] = field(default_factory=list)
+    steps: list[StepRow] = field(default_factory=list)
+    rollouts_seen: int = 0
+
+
+class WorkloadRecorder:
+    """Collects a run's workload; `write` puts it in the run directory.
+
+    Which rollouts are kept is decided when they start (a reservoir sample of the started ones);
+    every start and end advances the running integrals, a few float operations.
+    """
+
+    def __init__(
+        self, meta: dict[str, Any], *, start: float = 0.0, cap: int = CAP, seed: int = 0
+    ) -> None:
+        self.meta = {**meta, "start": start}
+        self.cap = cap
+        self._rows: dict[int, RolloutRow] = {}
+        self._steps: list[StepRow] = []
+        self._finished = 0
+        self._rng = random.Random(seed)
+        self._started = 0
+        self._active = 0
+        self._area = 0.0  # integral of the active count over time
+        self._inv = [0.0] * len(OFFSETS)  # integrals of dt / (active + c), c in OFFSETS
+        self._t_last = start
+        self._tokens = 0
+        self._train_s = 0.0
+
+    def _advance(self, now: float) -> None:
+        dt = now - self._t_last
+        if dt > 0 and self._active:
+            self._area += self._active * dt
+            n = self._active
+            self._inv = [j + dt / (n + c) for j, c in zip(self._inv, OFFSETS, strict=True)]
+        self._t_last = now
+
+    def started(self, now: float) -> _Kept | None:
+        """A rollout started; the token to hand to `finished` (None when it is not kept)."""
+        self._advance(now)
+        self._active += 1
+        self._started += 1
+        slot = self._started - 1
+        if slot >= self.cap:
+            slot = self._rng.randrange(self._started)
+            if slot >= self.cap:
+                return None
+        return _Kept(slot, now, self._area, self._inv)
+
+    def finished(self, now: float, token: _Kept | None, episode: Episode | None) -> None:
+        """A rollout ended; recorded when it was kept and produced an episode."""
+        self._advance(now)
+        self._active -= 1
+        if episode is not None:
+            self._finished += 1
+        if token is None or episode is None:
+            return
+        steps = [s for t in episode.trajectories for s in t.steps]
+        tool_s = episode.metrics.get("time/tool_s")
+        elapsed = now - token.start
+        self._rows[token.slot] = RolloutRow(
+            start=token.start,
+            end=now,
+            prompt=len(steps[0].prompt_ids) if steps else 0,
+            completion=episode.num_completion_tokens,
+            turns=len(steps),
+            active=(self._area - token.area) / elapsed if elapsed > 0 else float(self._active + 1),
+            inv=[b - a for a, b in zip(token.inv, self._inv, strict=True)],
+            tool_s=None if tool_s is None else float(tool_s),
+        )
+
+    @property
+    def workload(self) -> Workload:
+        """What was recorded so far."""
+        return Workload(self.meta, list(self._rows.values()), list(self._steps), self._finished)
+
+    def trained(self, tokens: int, seconds: float) -> None:
+        """One forward-backward call of `tokens` completion tokens took `seconds`."""
+        self._tokens += tokens
+        self._train_s += seconds
+
+    def step(self, step: int, now: float, optim_s: float, sync_s: float) -> None:
+        """An optimizer step ended; the forward-backward calls since the last one belong to it."""
+        if len(self._steps) < self.cap:
+            self._steps.append(StepRow(step, now, self._tokens, self._train_s, optim_s, sync_s))
+        self._tokens, self._train_s = 0, 0.0
+
+    def write(self, run_path: Path) -> Path:
+        """Write `workload.jsonl` (a meta line, then one line per row) into `run_path`."""
+        path = Path(run_path) / FILE_NAME
+        return write_workload(self.workload, path)
+
+
+def write_workload(workload: Workload, path: Path) -> Path:
+    """Write `workload` as JSON lines at `path`."""
+    w = workload
+    lines = [json.dumps({"kind": "meta", **w.meta, "rollouts_seen": w.rollouts_seen})]
+    lines += [json.dumps({"kind": "rollout", **asdict(r)}) for r in w.rollouts]
+    lines += [json.dumps({"kind": "step", **asdict(s)}) for s in w.steps]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_workload(path: Path) -> Workload:
+    """Read a `workload.jsonl` file, the one in a run directory, or the first one a level below."""
+    path = Path(path)
+    if path.is_dir():
+        found = [path / FILE_NAME] if (path / FILE_NAME).exists() else []
+        path = (found or sorted(path.glob(f"*/{FILE_NAME}")) or [path / FILE_NAME])[0]
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no recorded workload (runs write it when they end)")
+    workload = Workload({})
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        kind = row.pop("kind")
+        if kind == "meta":
+            workload.rollouts_seen = int(row.pop("rollouts_seen", 0))
+            workload.meta = row
+        elif kind == "rollout":
+            workload.rollouts.append(RolloutRow(**row))
+        elif kind == "step":
+            workload.steps.append(StepRow(**row))
+    return workload

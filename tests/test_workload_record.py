@@ -1,0 +1,88 @@
+"""The workload a run records: bounded, written into the run directory, read back as written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rllm_async.backends.sim import workload_config
+from rllm_async.trainer import UnifiedTrainer
+from rllm_async.types import Episode, Step, Trajectory
+from rllm_async.workload_record import (
+    FILE_NAME,
+    OFFSETS,
+    WorkloadRecorder,
+    read_workload,
+    write_workload,
+)
+
+
+def _episode(tokens: int, turns: int = 1) -> Episode:
+    steps = [Step([1, 2, 3], [0] * tokens, [-1.0] * tokens, [0] * tokens) for _ in range(turns)]
+    return Episode("t", [Trajectory(steps)])
+
+
+def test_a_sim_run_writes_its_workload_and_it_round_trips(tmp_path: Path) -> None:
+    config = workload_config(
+        "W1",
+        [
+            f"run_dir={tmp_path}",
+            "logging.progress_bar=false",
+            "checkpoint.at_end=false",
+            "train.total_steps=3",
+            "train.groups_per_step=4",
+            "coordinator.pipeline_depth=1",
+        ],
+    )
+    UnifiedTrainer(config).run()
+    path = config.run_path / FILE_NAME
+    workload = read_workload(tmp_path)  # the run directory's parent finds it too
+    assert workload.meta["groups_per_step"] == 4 and workload.meta["pipeline_depth"] == 1
+    assert [s.step for s in workload.steps] == [1, 2, 3]
+    assert all(s.tokens > 0 and s.train_s > 0 and s.sync_s == 0.5 for s in workload.steps)
+    assert workload.rollouts_seen == len(workload.rollouts) >= 3 * 4 * 8
+    for row in workload.rollouts:
+        assert row.turns == 1 and row.prompt > 0 and row.completion > 0
+        assert row.end > row.start and 1 <= row.active <= 512 and len(row.inv) == len(OFFSETS)
+    copy = tmp_path / "copy.jsonl"
+    write_workload(workload, copy)
+    assert copy.read_text() == path.read_text()
+    assert read_workload(copy) == workload
+
+
+def test_the_rollouts_are_a_bounded_reservoir_and_the_active_count_is_time_averaged() -> None:
+    rec = WorkloadRecorder({"mode": "async"}, cap=10, seed=1)
+    long = rec.started(0.0)
+    for i in range(100):
+        token = rec.started(1.0 + i)
+        rec.finished(1.5 + i, token, _episode(i + 1))
+    rec.finished(101.0, long, _episode(5000, turns=3))
+    w = rec.workload
+    assert w.rollouts_seen == 101 and len(w.rollouts) == 10
+    (first,) = [r for r in w.rollouts if r.start == 0.0]  # the first `cap` started are kept
+    assert first.turns == 3 and first.completion == 15000
+    # Two active during each half second of the 100, one otherwise: 150 / 101 on average.
+    assert abs(first.active - 151 / 101) < 1e-9
+    assert abs(first.inv[0] - (100 * 0.5 / 2 + 51.0)) < 1e-9  # integral of dt / active
+    c = OFFSETS[3]
+    assert abs(first.inv[3] - (100 * 0.5 / (2 + c) + 51.0 / (1 + c))) < 1e-9
+    later = sorted(r.completion for r in w.rollouts if r.start > 0)
+    assert len(later) == 9 and later[-1] <= 100 and len(set(later)) == 9
+
+
+def test_failed_rollouts_are_counted_out() -> None:
+    rec = WorkloadRecorder({}, cap=10)
+    rec.finished(1.0, rec.started(0.0), None)
+    rec.finished(3.0, rec.started(2.0), _episode(4))
+    w = rec.workload
+    assert w.rollouts_seen == 1 and [r.completion for r in w.rollouts] == [4]
+    assert w.rollouts[0].active == 1.0
+
+
+def test_steps_gather_their_forward_backward_calls() -> None:
+    rec = WorkloadRecorder({}, cap=2)
+    rec.trained(100, 1.0)
+    rec.trained(50, 0.5)
+    rec.step(1, 2.0, 0.1, 0.2)
+    rec.step(2, 3.0, 0.1, 0.2)
+    rec.step(3, 4.0, 0.1, 0.2)
+    assert [(s.step, s.tokens, s.train_s) for s in rec.workload.steps] == [(1, 150, 1.5), (2, 0, 0)]
