@@ -1,4 +1,4 @@
-"""`rllm-async`: train, evaluate, serve, export, simulate and plot from the command line."""
+"""`rllm-async`: train, evaluate, serve, export, simulate, plan and plot from the command line."""
 
 from __future__ import annotations
 
@@ -66,6 +66,32 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         for key, value in result.items():
             print(f"{key:>24}: {value}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rllm_async.plan import plan, render
+
+    grid = {
+        "depths": [int(x) for x in args.depths.split(",")],
+        "bounds": args.bounds.split(","),
+        "policies": args.policies.split(","),
+        "concurrency": [float(x) for x in args.concurrency.split(",")],
+    }
+    try:
+        result = plan(
+            Path(args.run_dir),
+            steps=args.steps,
+            seed=args.seed,
+            scale_servers=args.scale_servers,
+            scale_batch=args.scale_batch,
+            max_waste=args.max_waste,
+            max_staleness=args.max_staleness,
+            grid=grid,
+        )
+    except FileNotFoundError as e:
+        raise DataError(str(e)) from None
+    print(json.dumps(result) if args.json else render(result))
     return 0
 
 
@@ -164,6 +190,23 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--set", nargs="*", default=[], metavar="key=value", help="config overrides")
     sim.add_argument("--json", action="store_true", help="print one JSON line")
     sim.set_defaults(func=cmd_simulate)
+
+    pl = sub.add_parser("plan", help="replay a recorded run's workload under candidate settings")
+    pl.add_argument("run_dir", metavar="RUN_DIR", help="a run directory with workload.jsonl")
+    pl.add_argument("--max-waste", type=float, default=None, help="e.g. 0.02 for 2%% of tokens")
+    pl.add_argument("--max-staleness", type=int, default=None, help="largest staleness allowed")
+    pl.add_argument("--scale-servers", type=float, default=1.0, help="N times the rollout servers")
+    pl.add_argument("--scale-batch", type=float, default=1.0, help="N times the groups per step")
+    pl.add_argument("--steps", type=int, default=None, help="default: the recorded steps, <= 60")
+    pl.add_argument("--depths", default="1,2,4,8", help="pipeline depths to try")
+    pl.add_argument("--bounds", default="none,d,2d", help="max_staleness: none, d, 2d or numbers")
+    pl.add_argument("--policies", default="requeue", help="stale_policy values: requeue,drop")
+    pl.add_argument(
+        "--concurrency", default="1,0.5", help="max_concurrency as fractions of the recorded one"
+    )
+    pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--json", action="store_true", help="print one JSON line")
+    pl.set_defaults(func=cmd_plan)
     ev = sub.add_parser("eval", help="held-out evaluation of a run's newest checkpoint")
     ev.add_argument("run_dir", metavar="RUN_DIR")
     ev.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: newest)")

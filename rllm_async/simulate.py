@@ -5,28 +5,39 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rllm_async.backends.sim import SimBackend, ps_rate, workload_config
+from rllm_async.config import Config
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.vclock import run
+from rllm_async.workflows.base import Workflow
+
+QUIET = [
+    "logging.progress_bar=false",
+    "logging.jsonl=false",
+    "checkpoint.at_end=false",
+    "checkpoint.resume=never",
+    "eval.at_end=false",
+    # The calibration of T_gen(sync) assumes every group trains, so no filtering.
+    "algorithm.filter_zero_variance=false",
+]
 
 
 def run_workload(workload: str, overrides: list[str]) -> dict[str, Any]:
     """One training run of `workload` on the virtual clock; its simulated time and its figures."""
+    return run_config(lambda quiet: workload_config(workload, quiet + overrides))
+
+
+def run_config(
+    make_config: Callable[[list[str]], Config], workflow: Workflow | None = None
+) -> dict[str, Any]:
+    """One sim training run of `make_config(quiet overrides)` on the virtual clock (with
+    `workflow` instead of the config's when given); its figures."""
     with tempfile.TemporaryDirectory() as tmp:
-        quiet = [
-            f"run_dir={tmp}",
-            "logging.progress_bar=false",
-            "logging.jsonl=false",
-            "checkpoint.at_end=false",
-            "checkpoint.resume=never",
-            "eval.at_end=false",
-            # The calibration of T_gen(sync) assumes every group trains, so no filtering.
-            "algorithm.filter_zero_variance=false",
-        ]
-        config = workload_config(workload, quiet + overrides)
-        trainer = UnifiedTrainer(config)
+        config = make_config([f"run_dir={tmp}", *QUIET])
+        trainer = UnifiedTrainer(config, workflow=workflow)
         backend = trainer.backend
         assert isinstance(backend, SimBackend)
 
@@ -43,24 +54,36 @@ def run_workload(workload: str, overrides: list[str]) -> dict[str, Any]:
     k = config.coordinator.max_staleness
     staleness = [step - group[5] for step, groups in enumerate(backend.trained) for group in groups]
     trained_tokens = sum(sum(group[4]) for groups in backend.trained for group in groups)
-    generated = sum(r.get("tokens/generated", 0.0) for r in records)
-    wasted = sum(r.get("tokens/wasted", 0.0) for r in records)
     opts = backend.opts
     full_rate = ps_rate(min(opts.slots, config.rollout.max_concurrency), opts.rmax, opts.n_half)
-    train_s = trained_tokens / backend.train_rate + len(records) * opts.t_sync
+    train_s = trained_tokens / backend.train_rate + len(records) * (opts.t_sync + opts.t_optim)
     idle = sum(r["async/trainer_idle_ratio"] * r["time/step_s"] for r in records)
     return {
         "time_s": sim_s,
         "wall_s": wall_s,
         "steps": len(records),
         "t_ideal_s": max(trained_tokens / full_rate, train_s),
-        "waste": wasted / generated if generated else 0.0,
+        "waste": _waste(records),
+        "waste_steady": _waste(records[:-1] or records),
         "staleness_max": max(staleness, default=0),
         "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "staleness_p50": _quantile(staleness, 0.5),
+        "staleness_p90": _quantile(staleness, 0.9),
         "violations": sum(s > k for s in staleness) if k is not None else 0,
         "trainer_idle_ratio": idle / sum(r["time/step_s"] for r in records),
         "dropped_stale": sum(r["groups/dropped_stale"] for r in records),
     }
+
+
+def _waste(records: list[dict[str, float]]) -> float:
+    """Wasted / generated tokens over `records`; without the last one, a run's steady state (the
+    last holds the groups the run's end cancelled)."""
+    generated = sum(r.get("tokens/generated", 0.0) for r in records)
+    return sum(r.get("tokens/wasted", 0.0) for r in records) / generated if generated else 0.0
+
+
+def _quantile(values: list[int], q: float) -> int:
+    return sorted(values)[min(len(values) - 1, int(q * len(values)))] if values else 0
 
 
 def sync_baselines(workload: str, common: list[str]) -> tuple[float, float]:

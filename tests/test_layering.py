@@ -27,6 +27,8 @@ CONCRETE = ("backends.local", "backends.tinker", "backends.verl", "backends.sim"
 KNOWN_CORE_TO_CONCRETE = {
     # `rllm-async simulate` compares async with sync runs on the sim backend itself.
     ("rllm_async.simulate", "rllm_async.backends.sim"),
+    # `rllm-async plan` replays a recorded run's workload on the sim backend.
+    ("rllm_async.plan", "rllm_async.backends.sim"),
 }
 
 

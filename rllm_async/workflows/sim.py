@@ -35,6 +35,8 @@ class SimWorkflowArgs(BaseModel):
     len_median: float = Field(default=LEN_MEDIAN, gt=0.0)
     len_sigma: float = Field(default=LEN_SIGMA, ge=0.0)
     len_cap: int = Field(default=LEN_CAP, ge=1)
+    # Recorded rollout lengths to draw from instead of the lognormal (`rllm-async plan`).
+    lengths: list[int] = Field(default_factory=list)
     exception_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     hang_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     reward_delay_s: float = Field(default=0.0, ge=0.0)
@@ -71,7 +73,10 @@ class SimWorkflow(Workflow):
         u_len, u_hang, u_exc, u_reward = uniforms(
             a.seed, task_id, ctx.rollout_index, ctx.attempt, n=4
         )
-        length = rollout_length(u_len, a.len_median, a.len_sigma, a.len_cap)
+        if a.lengths:
+            length = a.lengths[int(u_len * len(a.lengths))]
+        else:
+            length = rollout_length(u_len, a.len_median, a.len_sigma, a.len_cap)
         prompt = ctx.policy.tokenizer.encode(str(task.get("prompt", task_id)))
         out = await ctx.generate(prompt, max_tokens=length)
         if u_hang < a.hang_rate:

@@ -1,7 +1,7 @@
 """The `sim` backend: a deterministic, model-free simulation of generation and training.
 
 Generation runs on a simulated inference server (`server.py`). Training takes completion tokens /
-train_rate seconds; weight syncs take t_sync. Used by tests, benchmarks and to dry-run a schedule.
+train_rate seconds, each optimizer step t_optim; weight syncs take t_sync. Used by tests, benchmarks and to dry-run a schedule.
 """
 
 from __future__ import annotations
@@ -98,6 +98,8 @@ class SimBackend:
         return {"sim/train_tokens": float(tokens), "sim/train_s": seconds}
 
     async def optim_step(self) -> dict[str, float]:
+        if self.opts.latency == "ps" and self.opts.t_optim:
+            await asyncio.sleep(self.opts.t_optim)
         if self._open_step is None:
             self.trained.append([])
         groups = len(self.trained[-1])

@@ -23,6 +23,7 @@ class SimOptions(BaseModel):
     train_rate: float | None = Field(default=None, gt=0.0)
     train_ratio: float | None = Field(default=None, gt=0.0)  # T_train / T_gen(sync) per step
     t_sync: float = Field(default=0.5, ge=0.0)
+    t_optim: float = Field(default=0.0, ge=0.0)  # seconds of each optimizer step
     sync_fail_every: int = Field(default=0, ge=0)  # 0: never
     sync_hang_every: int = Field(default=0, ge=0)  # 0: never
     # The rollout-length distribution train_ratio is calibrated on; from_config takes any of

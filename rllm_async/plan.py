@@ -1,0 +1,383 @@
+"""`rllm-async plan`: fit a sim workload to a recorded run, replay candidate settings, recommend one.
+
+The replay is the real trainer on the sim backend's virtual clock. What comes from the record:
+rollout lengths (drawn from the recorded ones), the engine's decode rate as a function of the
+number of active rollouts (fitted), training seconds per completion token, optimizer-step and
+weight-sync seconds. What is assumed: see `Fit.assumed`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rllm_async.backends.sim import ps_rate
+from rllm_async.config import Config, ConfigError, load_config
+from rllm_async.simulate import run_config
+from rllm_async.workflows.sim import SimWorkflow
+from rllm_async.workload_record import OFFSETS, RolloutRow, Workload, read_workload
+
+DEFAULT_N_HALF = 64.0
+
+
+@dataclass
+class Fit:
+    """A sim workload fitted to a record: the sim backend's options and the rollout lengths."""
+
+    lengths: list[int]
+    rmax: float
+    n_half: float
+    train_rate: float
+    t_optim: float
+    t_sync: float
+    meta: dict[str, Any]
+    measured_step_s: float
+    measured: list[str] = field(default_factory=list)
+    assumed: list[str] = field(default_factory=list)
+
+    def scaled(self, servers: float = 1.0, batch: float = 1.0) -> Fit:
+        """This workload with `servers` times the rollout servers and `batch` times the groups."""
+        meta = dict(self.meta)
+        meta["max_concurrency"] = max(1, round(meta["max_concurrency"] * servers))
+        meta["groups_per_step"] = max(1, round(meta["groups_per_step"] * batch))
+        assumed = list(self.assumed)
+        if servers != 1:
+            assumed.append(
+                f"{servers:g}x rollout servers: decode rate and concurrency scale linearly "
+                "(identical servers, perfect load balance); the trainer is unchanged"
+            )
+        if batch != 1:
+            assumed.append(
+                f"{batch:g}x groups per step: training time grows with the tokens, "
+                "optimizer-step and weight-sync times stay as measured"
+            )
+        return Fit(
+            self.lengths,
+            self.rmax * servers,
+            self.n_half * servers,
+            self.train_rate,
+            self.t_optim,
+            self.t_sync,
+            meta,
+            math.nan if servers != 1 or batch != 1 else self.measured_step_s,
+            list(self.measured),
+            assumed,
+        )
+
+
+def fit(workload: Workload) -> Fit:
+    """Fit the sim backend's parameters to a recorded workload."""
+    rows = [r for r in workload.rollouts if r.completion > 0 and r.end > r.start]
+    steps = workload.steps
+    if not rows or not steps:
+        raise ConfigError("the recorded workload has no finished rollouts or no steps to fit")
+    meta = workload.meta
+    # Rollouts still running at the end were never recorded, and those are the long ones: the
+    # lengths come from rollouts that started early enough that any of the observed durations
+    # would have finished.
+    end = max(r.end for r in rows)
+    longest = max(r.end - r.start for r in rows)
+    early = [r for r in rows if r.start <= end - longest]
+    drawn = early if len(early) >= min(len(rows), 100) else rows
+    measured = [
+        f"rollout lengths: {len(drawn)} recorded rollouts that started {longest:.1f} s or more "
+        f"before the end ({workload.rollouts_seen} finished)",
+        "training seconds per completion token, optimizer-step and weight-sync seconds: "
+        f"{len(steps)} recorded steps",
+    ]
+    assumed = [
+        "one model call per rollout decoding its recorded completion; prompt prefill, tool and "
+        "environment time are not modelled",
+        "every group trains (no zero-variance filtering, no failures)",
+        "the engine shares its decode rate evenly over the active rollouts (processor sharing)",
+    ]
+    rmax, n_half, identified = _fit_rate(rows)
+    active = [r.active for r in rows]
+    rate = f"R(n) = {rmax:.0f} n / (n + {n_half:g}) tok/s"
+    if identified:
+        measured.append(
+            f"decode rate vs concurrency: {rate}, fitted on {min(active):.0f}-{max(active):.0f} "
+            "mean active rollouts"
+        )
+    else:
+        assumed.append(
+            f"decode rate vs concurrency: {rate}; concurrency hardly varied "
+            f"({min(active):.0f}-{max(active):.0f} active), so n_half = {n_half:g} is assumed "
+            "and rmax follows from it"
+        )
+    tokens = sum(s.tokens for s in steps)
+    train_s = sum(s.train_s for s in steps)
+    train_rate = tokens / train_s if train_s > 0 else 1e12
+    n = len(steps)
+    measured_step_s = (steps[-1].end - float(meta.get("start", 0.0))) / n
+    return Fit(
+        lengths=sorted(r.completion for r in drawn),
+        rmax=rmax,
+        n_half=n_half,
+        train_rate=train_rate,
+        t_optim=sum(s.optim_s for s in steps) / n,
+        t_sync=sum(s.sync_s for s in steps) / n,
+        meta=meta,
+        measured_step_s=measured_step_s,
+        measured=measured,
+        assumed=assumed,
+    )
+
+
+def _fit_rate(rows: list[RolloutRow]) -> tuple[float, float, bool]:
+    """rmax and n_half of R(n) = rmax n / (n + n_half) that best explain each rollout's length
+    as rmax * integral dt / (active + n_half); False when n_half makes little difference."""
+    lengths = np.log([r.completion for r in rows])
+    inv = np.log(np.maximum(np.array([r.inv for r in rows]), 1e-300))
+    gaps = lengths[:, None] - inv  # log rmax per rollout and offset
+    log_rmax = gaps.mean(axis=0)
+    residual = ((gaps - log_rmax) ** 2).mean(axis=0)
+    best = int(np.argmin(residual))
+    default = OFFSETS.index(DEFAULT_N_HALF)
+    if residual[default] - residual[best] < 1e-4:  # a 1% error in rmax either way
+        best = default
+    identified = best != default or bool(np.ptp(residual) >= 1e-4)
+    return float(np.exp(log_rmax[best])), OFFSETS[best], identified
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One setting to replay; mode sync is `pipeline_depth` 0."""
+
+    mode: str
+    pipeline_depth: int
+    max_staleness: int | None
+    stale_policy: str
+    max_concurrency: int
+    classic: bool = False  # sync only: generate the whole step, then train it
+
+    @property
+    def label(self) -> str:
+        if self.mode == "sync":
+            return "classic sync" if self.classic else "sync"
+        k = "none" if self.max_staleness is None else str(self.max_staleness)
+        policy = f" {self.stale_policy}" if self.max_staleness is not None else ""
+        return f"d={self.pipeline_depth} K={k}{policy}"
+
+
+def sim_config(f: Fit, c: Candidate, steps: int, seed: int, quiet: list[str]) -> Config:
+    """The sim Config replaying `f` under candidate `c` for `steps` optimizer steps."""
+    meta = f.meta
+    groups = int(meta["groups_per_step"])
+    micro = groups if c.classic else min(int(meta.get("micro_batch_groups", groups)), groups)
+    defaults: dict[str, Any] = {
+        "mode": c.mode,
+        "seed": seed,
+        "backend": {
+            "name": "sim",
+            "slots": c.max_concurrency,
+            "rmax": f.rmax,
+            "n_half": f.n_half,
+            "train_rate": f.train_rate,
+            "t_optim": f.t_optim,
+            "t_sync": f.t_sync,
+            "len_median": float(np.median(f.lengths)),
+            "len_cap": max(f.lengths),
+        },
+        # The recorded lengths go to the workflow object (see `workflow`), not into the config.
+        "workflow": {"cls": "rllm_async.workflows.sim:SimWorkflow", "args": {"seed": seed}},
+        "data": {
+            "train": {"generator": "rllm_async.workflows.sim:synthetic_tasks", "args": {"n": 4096}}
+        },
+        "train": {"groups_per_step": groups, "micro_batch_groups": micro, "total_steps": steps},
+        "rollout": {
+            "group_size": int(meta["group_size"]),
+            "max_tokens": max(f.lengths),
+            "max_concurrency": c.max_concurrency,
+            "timeout_s": 1e9,
+        },
+        "coordinator": {
+            "pipeline_depth": c.pipeline_depth,
+            "max_staleness": c.max_staleness,
+            "stale_policy": c.stale_policy,
+            "weight_update": "pin" if c.mode == "sync" else meta.get("weight_update", "pin"),
+        },
+    }
+    return load_config(overrides=quiet, defaults=defaults)
+
+
+def workflow(f: Fit, seed: int = 0) -> SimWorkflow:
+    """The sim workflow drawing rollout lengths from the recorded ones."""
+    return SimWorkflow(lengths=f.lengths, seed=seed)
+
+
+def replay(f: Fit, c: Candidate, steps: int, seed: int = 0) -> dict[str, Any]:
+    """Replay candidate `c` on the fitted workload; its figures, time per step first."""
+    out = run_config(lambda quiet: sim_config(f, c, steps, seed, quiet), workflow(f, seed))
+    return {"step_s": out["time_s"] / max(1, out["steps"]), **out}
+
+
+def candidates(
+    f: Fit,
+    depths: Sequence[int] = (1, 2, 4, 8),
+    bounds: Sequence[str] = ("none", "d", "2d"),
+    policies: Sequence[str] = ("requeue",),
+    concurrency: Sequence[float] = (1.0, 0.5),
+) -> list[Candidate]:
+    """Sync, then async for each depth, bound (none, `d`, `2d` or a number), policy and concurrency
+    (fractions of the recorded `rollout.max_concurrency`)."""
+    base = int(f.meta["max_concurrency"])
+    out = [
+        Candidate("sync", 0, 0, "requeue", base, classic=True),
+        Candidate("sync", 0, 0, "requeue", base),
+    ]
+    for conc in dict.fromkeys(max(1, round(base * x)) for x in concurrency):
+        for d in depths:
+            for bound in dict.fromkeys(_bound(b, d) for b in bounds):
+                for policy in policies if bound is not None else ("requeue",):
+                    out.append(Candidate("async", d, bound, policy, conc))
+    return out
+
+
+def _bound(spec: str, d: int) -> int | None:
+    if spec == "none":
+        return None
+    if spec.endswith("d"):
+        return int(spec[:-1] or 1) * d
+    return max(d, int(spec))
+
+
+def recorded_candidate(f: Fit) -> Candidate:
+    """The setting the record was made under."""
+    m = f.meta
+    sync = m["mode"] == "sync"
+    return Candidate(
+        m["mode"],
+        0 if sync else int(m["pipeline_depth"]),
+        0 if sync else m["max_staleness"],
+        m["stale_policy"],
+        int(m["max_concurrency"]),
+    )
+
+
+def recommend(
+    rows: list[dict[str, Any]], max_waste: float | None, max_staleness: int | None
+) -> dict[str, Any] | None:
+    """The fastest replayed row within the waste and staleness budget (None if none is)."""
+    ok = [
+        r
+        for r in rows
+        if (max_waste is None or r["waste"] <= max_waste)
+        and (max_staleness is None or r["staleness_max"] <= max_staleness)
+        and r["violations"] == 0
+    ]
+    return min(ok, key=lambda r: r["step_s"]) if ok else None
+
+
+def plan(
+    run_dir: Path,
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    scale_servers: float = 1.0,
+    scale_batch: float = 1.0,
+    max_waste: float | None = None,
+    max_staleness: int | None = None,
+    grid: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Fit, replay the recorded setting and the candidates, recommend one; a dict of it all."""
+    workload = read_workload(run_dir)
+    f = fit(workload).scaled(scale_servers, scale_batch)
+    n = steps if steps is not None else min(60, max(1, len(workload.steps)))
+    rows = []
+    classic_s = None
+    for c in [recorded_candidate(f), *candidates(f, **(grid or {}))]:
+        out = replay(f, c, n, seed)
+        if classic_s is None and c.classic:
+            classic_s = out["step_s"]
+        rows.append(
+            {
+                "setting": c.label,
+                "mode": c.mode,
+                "pipeline_depth": c.pipeline_depth,
+                "max_staleness": c.max_staleness,
+                "stale_policy": c.stale_policy,
+                "max_concurrency": c.max_concurrency,
+                "step_s": round(out["step_s"], 4),
+                "waste": round(out["waste_steady"], 4),
+                "staleness_p50": out["staleness_p50"],
+                "staleness_p90": out["staleness_p90"],
+                "staleness_max": out["staleness_max"],
+                "violations": out["violations"],
+            }
+        )
+    for r in rows:
+        r["speedup"] = round(classic_s / r["step_s"], 3) if classic_s else None
+    recorded, table = rows[0], rows[1:]
+    peak = ps_rate(int(f.meta["max_concurrency"]), f.rmax, f.n_half)
+    return {
+        "fit": {
+            "rmax_tok_s": round(f.rmax, 1),
+            "n_half": round(f.n_half, 2),
+            "decode_tok_s_at_max_concurrency": round(peak, 1),
+            "train_tok_s": round(f.train_rate, 1),
+            "t_optim_s": round(f.t_optim, 4),
+            "t_sync_s": round(f.t_sync, 4),
+            "len_median": float(np.median(f.lengths)),
+            "len_p90": float(np.quantile(f.lengths, 0.9)),
+            "len_max": max(f.lengths),
+        },
+        "steps": n,
+        "measured": f.measured,
+        "assumed": f.assumed,
+        "recorded": {**recorded, "measured_step_s": round(f.measured_step_s, 4)},
+        "candidates": table,
+        "budget": {"max_waste": max_waste, "max_staleness": max_staleness},
+        "recommendation": recommend(table, max_waste, max_staleness),
+    }
+
+
+def render(result: dict[str, Any]) -> str:
+    """The plan as text: the fit, what is measured and assumed, the table, the recommendation."""
+    lines = ["fitted workload:"]
+    lines += [f"  {k}: {v}" for k, v in result["fit"].items()]
+    lines += ["measured:"] + [f"  - {m}" for m in result["measured"]]
+    lines += ["assumed:"] + [f"  - {a}" for a in result["assumed"]]
+    rec = result["recorded"]
+    if not math.isnan(rec["measured_step_s"]):
+        err = rec["step_s"] / rec["measured_step_s"] - 1
+        lines.append(
+            f"recorded setting ({rec['setting']}, concurrency {rec['max_concurrency']}): "
+            f"measured {rec['measured_step_s']:.3f} s/step, replayed {rec['step_s']:.3f} s/step "
+            f"({err:+.1%})"
+        )
+    head = "setting", "conc", "s/step", "speedup", "waste", "stale p50/p90/max", "viol"
+    lines.append(f"predicted over {result['steps']} steps:")
+    lines.append(
+        f"  {head[0]:<22} {head[1]:>5} {head[2]:>9} {head[3]:>8} {head[4]:>7}  {head[5]:<18} {head[6]}"
+    )
+    for r in result["candidates"]:
+        stale = f"{r['staleness_p50']}/{r['staleness_p90']}/{r['staleness_max']}"
+        lines.append(
+            f"  {r['setting']:<22} {r['max_concurrency']:>5} {r['step_s']:>9.3f} "
+            f"{r['speedup']:>7.2f}x {r['waste']:>7.2%}  {stale:<18} {r['violations']}"
+        )
+    budget = result["budget"]
+    rec_row = result["recommendation"]
+    limits = f"waste <= {budget['max_waste']}, staleness <= {budget['max_staleness']}"
+    if rec_row is None:
+        lines.append(f"no candidate fits the budget ({limits})")
+    else:
+        lines.append(
+            f"recommended under {limits}: mode={rec_row['mode']} "
+            f"coordinator.pipeline_depth={rec_row['pipeline_depth']} "
+            f"coordinator.max_staleness={_null(rec_row['max_staleness'])} "
+            f"coordinator.stale_policy={rec_row['stale_policy']} "
+            f"rollout.max_concurrency={rec_row['max_concurrency']} "
+            f"({rec_row['step_s']:.3f} s/step, {rec_row['speedup']}x over classic sync)"
+        )
+    return "\n".join(lines)
+
+
+def _null(value: int | None) -> str:
+    return "null" if value is None else str(value)

@@ -1,0 +1,137 @@
+"""`rllm-async plan`: the fit reproduces a recorded sim run, and the recommendation keeps its budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rllm_async.backends.sim import SimBackend, workload_config
+from rllm_async.cli import main
+from rllm_async.plan import (
+    Candidate,
+    fit,
+    plan,
+    recorded_candidate,
+    replay,
+    sim_config,
+    workflow,
+)
+from rllm_async.simulate import QUIET
+from rllm_async.trainer import UnifiedTrainer
+from rllm_async.workload_record import read_workload
+
+# W1 (32 groups of 8 per step): smaller batches make one run's step time vary by +-5% with the
+# seed (the step waits for its longest rollouts), so a run could not be predicted within 5%.
+STEPS = 20
+
+
+def _record(root: Path, *overrides: str) -> Path:
+    config = workload_config(
+        "W1", [f"run_dir={root}", *QUIET, f"train.total_steps={STEPS}", *overrides]
+    )
+    UnifiedTrainer(config).run()
+    return root
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _record(
+        tmp_path_factory.mktemp("async"),
+        "coordinator.pipeline_depth=2",
+        "coordinator.max_staleness=null",
+    )
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """W1 at a quarter of its size: 8 groups of 8 per step on 128 decode slots, 12 steps."""
+    return _record(
+        tmp_path_factory.mktemp("small"),
+        "train.total_steps=12",
+        "train.groups_per_step=8",
+        "backend.slots=128",
+        "rollout.max_concurrency=128",
+        "coordinator.pipeline_depth=2",
+        "coordinator.max_staleness=null",
+    )
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _record(tmp_path_factory.mktemp("sync"), "mode=sync", "coordinator.max_staleness=0")
+
+
+def _ks_statistic(a: np.ndarray, b: np.ndarray) -> float:
+    grid = np.union1d(a, b)
+    fa = np.searchsorted(np.sort(a), grid, side="right") / len(a)
+    fb = np.searchsorted(np.sort(b), grid, side="right") / len(b)
+    return float(np.abs(fa - fb).max())
+
+
+def test_the_fit_recovers_the_simulated_engine_and_trainer(sync_run: Path) -> None:
+    f = fit(read_workload(sync_run))
+    assert f.rmax == pytest.approx(20000.0, rel=0.02) and f.n_half == 64.0
+    assert f.t_sync == 0.5 and f.t_optim == 0.0
+    backend = SimBackend.from_config(workload_config("W1"))
+    assert f.train_rate == pytest.approx(backend.train_rate, rel=1e-6)
+
+
+def test_the_fitted_workload_reproduces_the_recorded_lengths(sync_run: Path) -> None:
+    workload = read_workload(sync_run)
+    f = fit(workload)
+    recorded = np.array([r.completion for r in workload.rollouts])
+    quiet = [f"run_dir={sync_run / 'replay'}", *QUIET]
+    config = sim_config(f, recorded_candidate(f), STEPS, 7, quiet)
+    trainer = UnifiedTrainer(config, workflow=workflow(f, 7))
+    trainer.run()
+    assert isinstance(trainer.backend, SimBackend)
+    replayed = np.array([n for step in trainer.backend.trained for g in step for n in g[4]])
+    # Two-sample Kolmogorov-Smirnov at the 1% level (critical value 1.628 sqrt((n+m)/(n m))).
+    n, m = len(recorded), len(replayed)
+    assert _ks_statistic(recorded, replayed) < 1.628 * np.sqrt((n + m) / (n * m))
+    assert np.median(replayed) == pytest.approx(np.median(recorded), rel=0.1)
+
+
+@pytest.mark.parametrize("run", ["async_run", "sync_run"])
+def test_the_replay_of_the_recorded_setting_recovers_its_step_time(
+    run: str, request: pytest.FixtureRequest
+) -> None:
+    f = fit(read_workload(request.getfixturevalue(run)))
+    predicted = replay(f, recorded_candidate(f), STEPS)["step_s"]
+    assert predicted == pytest.approx(f.measured_step_s, rel=0.05)
+
+
+def test_the_recommendation_keeps_the_budget_when_replayed(small_run: Path) -> None:
+    grid = {"depths": [1, 2, 4], "bounds": ["none", "d"], "concurrency": [1.0, 0.5]}
+    result = plan(small_run, max_waste=0.03, max_staleness=2, grid=grid)
+    rec = result["recommendation"]
+    assert rec is not None and rec["waste"] <= 0.03 and rec["staleness_max"] <= 2
+    f = fit(read_workload(small_run))
+    again = replay(
+        f,
+        Candidate(
+            rec["mode"],
+            rec["pipeline_depth"],
+            rec["max_staleness"],
+            rec["stale_policy"],
+            rec["max_concurrency"],
+        ),
+        result["steps"],
+    )
+    assert again["waste"] <= 0.03 and again["staleness_max"] <= 2 and again["violations"] == 0
+    assert again["step_s"] == pytest.approx(rec["step_s"], rel=1e-3)
+    faster = [r for r in result["candidates"] if r["step_s"] < rec["step_s"]]
+    assert all(r["waste"] > 0.03 or r["staleness_max"] > 2 for r in faster)
+
+
+def test_the_command_prints_the_plan_and_what_is_assumed(
+    small_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", str(small_run), "--depths", "2", "--bounds", "d", "--concurrency", "1"]
+    assert main([*argv, "--scale-servers", "10", "--max-staleness", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "10x rollout servers" in out and "assumed:" in out and "measured:" in out
+    assert "recommended under" in out and "d=2 K=2" in out
+    assert main(["plan", str(small_run / "missing")]) == 2
