@@ -83,7 +83,7 @@ class ReplyParser:
                     return parsed
         reasoning = None
         if self.think:
-            opened = self.decode(tok, prompt_ids[-4:]).rstrip().endswith(THINK_OPEN)
+            opened = self.decode(tok, prompt_ids[-16:]).rstrip().endswith(THINK_OPEN)
             reasoning, text = split_reasoning(text, opened=opened)
         if not (tools or self.tool.structured):
             return ParsedReply(text, reasoning=reasoning)

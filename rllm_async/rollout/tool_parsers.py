@@ -99,13 +99,16 @@ class Llama3JsonParser(ToolParser):
         else:
             return []
         spans: list[Span] = []
-        while pos < len(text) and text[pos:].strip():
+        while True:
             while pos < len(text) and text[pos] in " \t\r\n;":
                 pos += 1
+            if pos == len(text):
+                break
             try:
                 obj, end = _JSON.raw_decode(text, pos)
             except (ValueError, RecursionError) as e:
-                spans.append(Span(start, len(text), error=f"tool call is not valid JSON ({e})"))
+                if not spans:  # text after the calls stays content
+                    spans.append(Span(start, len(text), error=f"tool call is not valid JSON ({e})"))
                 break
             if not isinstance(obj, dict):
                 error = 'tool call must be a JSON object {"name": ..., "parameters": {...}}'
@@ -231,7 +234,7 @@ class DeepSeekV3Parser(ToolParser):
                 continue
             start, end, body = block
             results = [
-                c.error or "" if isinstance(c, Span) else self._call(c[2], tools)
+                (c.error or "") if isinstance(c, Span) else self._call(c[2], tools)
                 for c in _tagged_blocks(body, self.CALL, self.CALL_END)
             ]
             error = next((r for r in results if isinstance(r, str)), None)

@@ -177,3 +177,10 @@ def test_the_config_names_every_parser() -> None:
     fields = RolloutConfig.model_fields
     assert set(get_args(fields["tool_parser"].annotation)) == {"auto", *TOOL_PARSERS}
     assert set(get_args(fields["reasoning_parser"].annotation)) == {"auto", "think", "none"}
+
+
+def test_llama_text_after_its_calls_stays_content() -> None:
+    text = '{"name": "calc", "parameters": {"expr": "1"}} I will wait.'
+    parsed = TOOL_PARSERS["llama3_json"].parse(text, TOOLS)
+    assert parsed.errors == [] and parsed.content == "I will wait."
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["calc"]
