@@ -16,6 +16,7 @@ from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
 from rllm_async.backends.local.hf import checkpoint_dir
 from rllm_async.backends.local.learner import Learner
 from rllm_async.backends.local.learner_process import LearnerProcess, LearnerSpec
+from rllm_async.backends.local.lora import LoRAOptions
 from rllm_async.backends.local.model import (
     Transformer,
     build_model,
@@ -58,6 +59,8 @@ class LocalOptions(BaseModel):
     sampler_threads: int = Field(default=1, ge=1)  # torch threads of the decode thread
     seed: int | None = None  # model init and unseeded sampling; None: the config's seed
     warm_start: WarmStartOptions | None = None  # supervised fine-tuning before RL, cached
+    # Train low-rank adapters on the frozen model (after the warm start) instead of the model.
+    lora: LoRAOptions | None = None
     # Who samples: the sampler thread of this process, or vLLM servers (`vllm:`), which reload
     # the learner's weights after every step; vllm needs a Hugging Face `model_path`.
     rollout: Literal["local", "vllm"] = "local"
@@ -124,9 +127,11 @@ class LocalBackend:
             compute_dtype=self.dtype,
             device=str(self.device),
             threads=opts.threads,
+            lora=opts.lora,
+            seed=seed,
         )
-        # The learner's model, or in `process` mode this process's copy of its weights, which
-        # each snapshot refreshes first.
+        # The learner's model, or in `process` mode this process's copy of its weights (adapters
+        # merged), which each snapshot refreshes first.
         self._model = model
         self.version = 0
         self.vllm: VLLMEngine | None = None
@@ -196,13 +201,18 @@ class LocalBackend:
             raise FileNotFoundError(
                 f"{file} not found: is {backend_dir} a local-backend checkpoint?"
             )
+        state = torch.load(file, map_location="cpu", weights_only=True)
+        if (opts.lora is not None) != ("lora" in state):
+            raise ValueError(f"{file} and the run's backend.lora disagree on LoRA adapters")
         export_model(
-            torch.load(file, map_location="cpu", weights_only=True)["model"],
+            state["model"],
             out,
             preset=opts.model,
             model_path=opts.model_path,
             max_seq_len=opts.max_seq_len,
             rollout=config.rollout,
+            lora=None if opts.lora is None else (opts.lora, state["lora"]),
+            base_changed=opts.warm_start is not None,
         )
 
     def policy(self) -> LocalPolicy | VLLMPolicy:
@@ -258,16 +268,19 @@ class LocalBackend:
             raise RuntimeError("the local backend is closed")
         return await asyncio.get_running_loop().run_in_executor(self._train, fn, *args)
 
-    def _snapshot(self) -> Transformer:
+    def _current(self) -> Transformer:
+        """A model holding the learner's current weights, LoRA adapters merged."""
         if isinstance(self.learner, LearnerProcess):
             self.learner.copy_weights_to(self._model)
-        return frozen_copy(self._model, self.device, self.dtype)
+            return self._model
+        return self.learner.merged_model()
+
+    def _snapshot(self) -> Transformer:
+        return frozen_copy(self._current(), self.device, self.dtype)
 
     def _write_for_vllm(self) -> Path:
         assert self.vllm is not None
-        if isinstance(self.learner, LearnerProcess):
-            self.learner.copy_weights_to(self._model)
-        return self.vllm.write(hf_state_dict(self._model))
+        return self.vllm.write(hf_state_dict(self._current()))
 
     def _save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)

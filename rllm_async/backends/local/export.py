@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from rllm_async.backends.local.hf import checkpoint_dir, model_config
+from rllm_async.backends.local.lora import LoRA, LoRAOptions
 from rllm_async.backends.local.model import (
     ModelConfig,
     Transformer,
@@ -34,10 +35,16 @@ def export_model(
     model_path: str | None,
     max_seq_len: int,
     rollout: RolloutConfig,
+    lora: tuple[LoRAOptions, dict[str, torch.Tensor]] | None = None,
+    base_changed: bool = False,
 ) -> None:
     """Write our decoder's `state` (its own names) and what loads it into the new directory `out`:
     the source checkpoint's config and tokenizer files for a `backend.model_path` model, a Llama
-    config and the character tokenizer for a built-in `preset`."""
+    config and the character tokenizer for a built-in `preset`.
+
+    With `lora` (options, adapter state), `out` holds the merged model, `out/adapter` the PEFT
+    adapter and, unless the base is the `model_path` checkpoint unchanged (no warm start:
+    `base_changed` false), `out/base` the base model it applies to."""
     if model_path is None:
         cfg = preset_config(preset, CharTokenizer().vocab_size)
         raw, source = _llama_config(cfg, max_seq_len), None
@@ -47,8 +54,13 @@ def export_model(
         cfg = model_config(raw, source)
     model = Transformer(cfg)
     model.load_state_dict(state)
+    adapters = None
+    if lora is not None:
+        adapters = LoRA(model, lora[0])
+        adapters.load_state_dict(lora[1])
     raw[_dtype_key(raw)] = "float32"  # the learner's weights, written as they are
-    write_weights(hf_state_dict(model), out, config=raw)
+    merged = model if adapters is None else adapters.merged_copy(model)
+    write_weights(hf_state_dict(merged), out, config=raw)
     if source is None:
         tokenizer = char_hf_tokenizer()
         tokenizer.save_pretrained(str(out))
@@ -64,6 +76,18 @@ def export_model(
     temperature = rollout.temperature
     generation.update(do_sample=temperature > 0, temperature=temperature, top_p=rollout.top_p)
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    if adapters is not None:
+        base = None if source is None or base_changed else str(source)
+        if base is None:
+            export_model(
+                state,
+                out / "base",
+                preset=preset,
+                model_path=model_path,
+                max_seq_len=max_seq_len,
+                rollout=rollout,
+            )
+        adapters.save_peft(out / "adapter", base)
 
 
 def _llama_config(cfg: ModelConfig, max_seq_len: int) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch
 
 from rllm_async.algorithms.losses import LossStats, policy_loss
 from rllm_async.algorithms.schedule import learning_rate
+from rllm_async.backends.local.lora import LoRA
 from rllm_async.backends.local.model import Transformer
 from rllm_async.backends.local.packing import PackedBatch, pack
 from rllm_async.config import LossConfig, OptimConfig
@@ -30,7 +31,8 @@ class _Row:
 
 
 class Learner:
-    """Owns the trainable model, its AdamW optimizer and the schedule position."""
+    """Owns the trainable model, its AdamW optimizer and the schedule position; with `lora`, the
+    model is the frozen base and only the adapters train."""
 
     def __init__(
         self,
@@ -42,17 +44,20 @@ class Learner:
         train_batch: int,
         compute_dtype: torch.dtype,
         ref_model: Transformer | None = None,
+        lora: LoRA | None = None,
     ) -> None:
         self.model = model
         self.ref_model = ref_model
+        self.lora = lora
         self.optim_cfg = optim
         self.total_steps = total_steps
         self.temperature = temperature
         self.train_batch = train_batch
         self.compute_dtype = compute_dtype
         self.step = 0
+        self._params = list((model if lora is None else lora).parameters())
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+            self._params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
         )
         self._device = next(model.parameters()).device
         self._step_tokens = 0.0
@@ -84,10 +89,10 @@ class Learner:
             group["lr"] = lr
         grad_norm = 0.0
         if self._step_tokens > 0:
-            for grad in (p.grad for p in self.model.parameters() if p.grad is not None):
+            for grad in (p.grad for p in self._params if p.grad is not None):
                 grad.div_(self._step_tokens)
             max_norm = self.optim_cfg.grad_clip or math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = {
@@ -100,21 +105,39 @@ class Learner:
         self._pending_calls = 0
         return metrics
 
+    def merged_model(self) -> Transformer:
+        """The model to sample with: the trained model itself, or a copy with the adapters merged."""
+        if self.lora is None:
+            return self.model
+        return self.lora.merged_copy(self.model)
+
     def state_dict(self) -> dict[str, Any]:
-        """Weights, optimizer moments and the schedule position."""
+        """Weights (the base's and the adapters'), optimizer moments and the schedule position."""
         if self.has_pending_gradients:
             raise RuntimeError(
                 f"cannot checkpoint with gradients of {self._pending_calls} forward_backward "
                 "call(s) not yet applied: call optim_step() first"
             )
-        return {
+        state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
         }
+        if self.lora is not None:
+            state["lora"] = self.lora.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if ("lora" in state) != (self.lora is not None):
+            saved = "with" if "lora" in state else "without"
+            raise ValueError(
+                f"the checkpoint was saved {saved} LoRA adapters and backend.lora is "
+                f"{'not ' if self.lora is None else ''}set: resume with the backend.lora setting "
+                "it was trained with"
+            )
         self.model.load_state_dict(state["model"])
+        if self.lora is not None:
+            self.lora.load_state_dict(state["lora"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.optimizer.zero_grad(set_to_none=True)

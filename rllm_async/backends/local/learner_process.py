@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from rllm_async.backends.local.learner import Learner
+from rllm_async.backends.local.lora import LoRA, LoRAOptions
 from rllm_async.backends.local.model import (
     ModelConfig,
     Transformer,
@@ -51,12 +52,15 @@ class LearnerSpec:
     compute_dtype: torch.dtype
     device: str
     threads: int
+    lora: LoRAOptions | None = None  # train adapters on the frozen model instead of the model
+    seed: int = 0  # the adapters' initialisation
 
     def build(self, model: Transformer) -> Learner:
-        """The learner, training `model` itself."""
+        """The learner, training `model` itself or, with `lora`, adapters on it."""
         ref = (
             frozen_copy(model, torch.device(self.device), torch.float32) if self.with_ref else None
         )
+        lora = None if self.lora is None else LoRA(model, self.lora, self.seed)
         return Learner(
             model,
             self.optim,
@@ -65,6 +69,7 @@ class LearnerSpec:
             train_batch=self.train_batch,
             compute_dtype=self.compute_dtype,
             ref_model=ref,
+            lora=lora,
         )
 
 
@@ -142,7 +147,7 @@ class LearnerProcess:
         self._call("load_state_dict", state)
 
     def copy_weights_to(self, model: Transformer) -> None:
-        """Give `model` (shaped as the learner's) the learner's current weights."""
+        """Give `model` (shaped as the learner's) the learner's current weights, adapters merged."""
         self._call("share_weights")
         with torch.no_grad():
             for p, part in _parts(self._shared, model):
@@ -244,7 +249,7 @@ def _serve(conn: multiprocessing.connection.Connection, shared: torch.Tensor) ->
         try:
             if name == "share_weights":
                 with torch.no_grad():
-                    for p, part in _parts(shared, learner.model):
+                    for p, part in _parts(shared, learner.merged_model()):
                         part.copy_(p)
                 result = None
             else:
