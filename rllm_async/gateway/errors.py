@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
@@ -23,6 +23,14 @@ _TYPES = {
 }
 
 
+class ErrorShape(Protocol):
+    """Builds an API's error body (OpenAI's `error_response`, or Anthropic's)."""
+
+    def __call__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> JSONResponse: ...
+
+
 class APIError(Exception):
     """An error the client is told about; `status` is the HTTP status."""
 
@@ -34,9 +42,6 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, param=self.param, code=self.code)
 
 
 def error_response(

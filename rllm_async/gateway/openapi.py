@@ -7,12 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rllm_async.gateway.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenSessionRequest,
-    ResponseRequest,
-)
+from rllm_async.gateway.protocol import ChatCompletionRequest, CompletionRequest, OpenSessionRequest
+from rllm_async.gateway.protocol_responses import ResponseRequest
 
 _REF = "#/components/schemas/{model}"
 _ERROR = {"$ref": "#/components/schemas/Error"}

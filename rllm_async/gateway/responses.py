@@ -1,5 +1,5 @@
-"""The Responses API on the chat path: input items as chat messages, a chat turn as a `Response`
-(built with the `openai` package's models), and the SSE events of a finished response."""
+"""The Responses API on the chat path: the handler, input items as chat messages, a chat turn as
+a `Response` (built with the `openai` package's models), and the SSE events of a finished one."""
 
 from __future__ import annotations
 
@@ -35,15 +35,52 @@ from openai.types.responses import (
 from openai.types.responses.response import IncompleteDetails
 from openai.types.responses.response_reasoning_item import Content as ReasoningText
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.responses import Response as HTTPResponse
 
-from rllm_async.gateway.protocol import (
+from rllm_async.gateway.api import API
+from rllm_async.gateway.chat_completions import check_format
+from rllm_async.gateway.protocol_responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionToolChoice,
     InputMessage,
     ResponseRequest,
 )
+from rllm_async.gateway.sse import typed_stream
 from rllm_async.rollout import ChatTurn
+
+
+async def responses(api: API, request: Request) -> HTTPResponse:
+    """`POST /v1/responses`: one `chat_turn`, recorded as a chat completion is."""
+    session = api.session(request)
+    req = await api.body(request, ResponseRequest)
+    api.check_model(req.model)
+    sampling = api.temperature_top_p(req, session)
+    if req.max_output_tokens is not None:
+        sampling["max_tokens"] = req.max_output_tokens
+    turn = await api.chat_turn(
+        session,
+        chat_messages(req),
+        tools=req.tool_schemas,
+        forced=req.forced_tool,
+        template_kwargs=req.template_kwargs,
+        sampling=sampling,
+        prompt_param="input",
+    )
+    headers = check_format(req.response_format, [turn])
+    base = api.context(session).sampling
+    body = response_object(
+        req,
+        turn,
+        model=api.gw.model,
+        temperature=sampling.get("temperature", base.temperature),
+        top_p=sampling.get("top_p", base.top_p),
+    )
+    if req.stream:
+        return typed_stream(stream_events(body), headers)
+    return JSONResponse(body.model_dump(mode="json", exclude_unset=True), headers=headers)
 
 
 def chat_messages(req: ResponseRequest) -> list[dict[str, Any]]:

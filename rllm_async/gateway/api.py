@@ -1,0 +1,238 @@
+"""What every endpoint shares: the API key, reading the body, naming the session, sampling
+overrides, and running a request's model calls with its errors mapped to the client's."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from rllm_async.backends.base import PolicyClient
+from rllm_async.gateway.errors import APIError, ErrorShape, error_response, invalid
+from rllm_async.gateway.protocol import SamplingFields
+from rllm_async.gateway.protocol_responses import ResponseRequest
+from rllm_async.gateway.sessions import Session, SessionStore
+from rllm_async.rollout import ChatTemplateError, ChatTurn, ContextLengthError, RolloutContext
+
+log = logging.getLogger("rllm_async.gateway")
+SESSION_HEADER = "x-session-id"
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class GatewayState(Protocol):
+    """What the handlers read of the gateway they serve (`rllm_async.gateway.server.Gateway`)."""
+
+    policy: PolicyClient
+    model: str
+    api_key: str | None
+    open_sessions: bool
+    max_body_bytes: int
+    created: int
+    sessions: SessionStore
+
+    def open_session(self, ttl_s: float | None = None) -> Session: ...
+
+    def scratch_context(self) -> RolloutContext: ...
+
+    def session_url(self, session_id: str, request: Request | None = None) -> str: ...
+
+
+class API:
+    """The handlers; each one either answers or raises `APIError`."""
+
+    def __init__(self, gateway: GatewayState) -> None:
+        self.gw = gateway
+
+    def endpoint(
+        self,
+        fn: Callable[[API, Request], Awaitable[Response]],
+        *,
+        auth: bool = True,
+        errors: ErrorShape = error_response,
+    ) -> Handler:
+        """`fn` as a route's handler: authorized, its `APIError`s answered in the `errors` shape."""
+
+        async def run(request: Request) -> Response:
+            try:
+                request.state.keyed = self._authorize(request) if auth else None
+                return await fn(self, request)
+            except APIError as e:
+                return errors(e.status, e.message, param=e.param, code=e.code)
+            except Exception:
+                # A request never takes the server (or a trainer in the same process) down.
+                log.exception("gateway: unexpected error on %s %s", request.method, request.url)
+                return errors(500, "internal error: see the gateway's log")
+
+        return run
+
+    def _authorize(self, request: Request) -> Session | None:
+        """Check the API key: the gateway's, or a session's (which names that session)."""
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        bearer = token.strip() if scheme.lower() == "bearer" else ""
+        keyed = self.gw.sessions.by_key(bearer) if bearer else None
+        key = self.gw.api_key
+        if (
+            keyed is None
+            and key is not None
+            and not hmac.compare_digest(bearer.encode(), key.encode())
+        ):
+            raise APIError(
+                401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key"
+            )
+        return keyed
+
+    # -- reading requests -----------------------------------------------------------------------
+
+    async def body(self, request: Request, model: type[M]) -> M:
+        limit = self.gw.max_body_bytes
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"request body over {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+        try:
+            data = json.loads(b"".join(chunks) or b"{}")
+        except (ValueError, RecursionError):
+            raise APIError(400, "the body is not valid JSON", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object", code="invalid_json")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise invalid(e) from None
+        except RecursionError:
+            raise APIError(400, "the body is nested too deeply", code="invalid_json") from None
+
+    def session(self, request: Request) -> Session | None:
+        """The session a call records into: named by the path, the `X-Session-Id` header or the
+        API key (one of them, or several that agree), else none."""
+        keyed: Session | None = request.state.keyed
+        sid = request.path_params.get("sid") or request.headers.get(SESSION_HEADER)
+        if sid is None:
+            return keyed
+        session = self.gw.sessions.get(sid)
+        if keyed is not None and keyed is not session:
+            raise APIError(
+                403, "the API key belongs to another session", code="session_key_mismatch"
+            )
+        return session
+
+    def check_model(self, name: str) -> None:
+        if name != self.gw.model:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist here; this gateway serves {self.gw.model!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def sampling(self, req: SamplingFields, session: Session | None, index: int) -> dict[str, Any]:
+        """Sampling overrides for one choice; a locked session keeps its temperature and top_p."""
+        out = self.temperature_top_p(req, session)
+        if (limit := getattr(req, "token_limit", None)) is not None:
+            out["max_tokens"] = limit
+        if req.stop is not None:
+            out["stop"] = req.stops
+        if req.seed is not None:
+            out["seed"] = (req.seed + index) % (2**63)
+        return out
+
+    def temperature_top_p(
+        self, req: SamplingFields | ResponseRequest, session: Session | None
+    ) -> dict[str, Any]:
+        """The request's temperature and top_p; a locked session refuses values other than its own."""
+        out: dict[str, Any] = {}
+        if session is not None and session.locked:
+            base = session.ctx.sampling
+            for name in ("temperature", "top_p"):
+                value = getattr(req, name)
+                if value is not None and value != getattr(base, name):
+                    raise APIError(
+                        400,
+                        f"{name}={value}: this session samples with {name}={getattr(base, name)}, "
+                        "which the trainer's loss assumes; leave it unset",
+                        param=name,
+                        code="invalid_parameter",
+                    )
+        else:
+            out.update(
+                {k: v for k in ("temperature", "top_p") if (v := getattr(req, k)) is not None}
+            )
+        return out
+
+    async def run(
+        self,
+        session: Session | None,
+        make: Callable[[], list[Awaitable[T]]],
+        prompt_param: str = "messages",
+    ) -> list[T]:
+        """Run one request's model calls; map what can go wrong to the client's errors."""
+
+        async def run_all() -> list[T]:
+            tasks = [asyncio.ensure_future(c) for c in make()]
+            try:
+                return list(await asyncio.gather(*tasks))
+            finally:
+                for task in tasks:  # the others, when one failed
+                    task.cancel()
+
+        try:
+            return await (run_all() if session is None else session.call(run_all))
+        except ContextLengthError as e:
+            raise APIError(
+                400, str(e), param=prompt_param, code="context_length_exceeded"
+            ) from None
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param=prompt_param, code="invalid_messages") from None
+        except RuntimeError as e:
+            raise APIError(
+                503, f"the policy is unavailable: {e}", code="policy_unavailable"
+            ) from None
+
+    def context(self, session: Session | None) -> RolloutContext:
+        """The session's context, or a scratch one (recording nothing) outside any session."""
+        return session.ctx if session is not None else self.gw.scratch_context()
+
+    async def chat_turn(
+        self,
+        session: Session | None,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None,
+        forced: str | bool,
+        template_kwargs: dict[str, Any],
+        sampling: dict[str, Any],
+        prompt_param: str,
+    ) -> ChatTurn:
+        """One chat turn (Responses and Messages requests), a forced tool call opened in the prompt."""
+        ctx = self.context(session)
+        prefix = forced_prefix(ctx, forced)
+        [turn] = await self.run(
+            session,
+            lambda: [
+                ctx.chat_turn(
+                    messages,
+                    tools=tools,
+                    prefix=prefix,
+                    template_kwargs=template_kwargs or None,
+                    **sampling,
+                )
+            ],
+            prompt_param=prompt_param,
+        )
+        return turn
+
+
+def forced_prefix(ctx: RolloutContext, forced: str | bool) -> str:
+    """The prompt's opening of a forced call: `forced` names the function, True any, False none."""
+    return "" if forced is False else ctx.tool_call_prefix(None if forced is True else forced)
