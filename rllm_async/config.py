@@ -35,11 +35,24 @@ class WorkflowConfig(_Section):
     args: dict[str, Any] = Field(default_factory=dict)
 
 
+class HFDatasetConfig(_Section):
+    """A Hugging Face `datasets` dataset, read from local files or the local cache, never the Hub."""
+
+    # A Hub name (already in the cache), a directory written by `save_to_disk`, a dataset
+    # directory or script, or a builder (json, csv, parquet, text) reading `data_files`.
+    path: str
+    name: str | None = None  # the dataset's config name (GSM8K's `main`)
+    split: str = "train"
+    data_files: str | list[str] | dict[str, str | list[str]] | None = None
+
+
 class DatasetConfig(_Section):
-    """A JSONL/JSON file of task dicts (`path`), or a callable that returns a list of them."""
+    """A JSONL/JSON/parquet file of task dicts (`path`), a callable that returns a list of them,
+    or a Hugging Face dataset (`hf`)."""
 
     path: str | None = None
     generator: str | None = None  # "package.module:function" or "package.module.function"
+    hf: HFDatasetConfig | None = None
     args: dict[str, Any] = Field(default_factory=dict)
     shuffle: bool = True
     limit: int | None = Field(default=None, ge=1)
@@ -47,9 +60,10 @@ class DatasetConfig(_Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetConfig:
-        if (self.path is None) == (self.generator is None):
+        if sum(x is not None for x in (self.path, self.generator, self.hf)) != 1:
             raise ValueError(
-                "give exactly one of `path` (a JSONL file) or `generator` (a callable)"
+                "give exactly one of `path` (a JSONL, JSON or parquet file), `generator` (a "
+                "callable) or `hf` (a Hugging Face dataset)"
             )
         return self
 

@@ -1,18 +1,20 @@
-"""Task datasets (JSONL, JSON or parquet files, or generator callables) and the TaskSource the
-trainer draws from."""
+"""Task datasets (JSONL, JSON or parquet files, Hugging Face datasets, or generator callables) and
+the TaskSource the trainer draws from."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rllm_async.config import DatasetConfig
+from rllm_async.config import DatasetConfig, HFDatasetConfig
 from rllm_async.imports import import_object
 
 
@@ -25,6 +27,9 @@ def load_tasks(spec: DatasetConfig, split: str) -> list[dict[str, Any]]:
     if spec.path is not None:
         rows = _read_rows(Path(spec.path))
         where = spec.path
+    elif spec.hf is not None:
+        rows = _read_hf(spec.hf, split)
+        where = f"the Hugging Face dataset {spec.hf.path} ({spec.hf.split})"
     else:
         assert spec.generator is not None
         fn = import_object(spec.generator, f"data.{split}.generator")
@@ -98,6 +103,82 @@ def _read_rows(path: Path) -> list[Any]:
                 f"{path}:{lineno}: invalid JSON ({e.msg}); each line must be one JSON object"
             ) from None
     return rows
+
+
+def _read_hf(spec: HFDatasetConfig, split: str) -> list[Any]:
+    """The rows of a Hugging Face dataset, read with the Hub switched off: local files or the cache."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"data.{split}.hf needs the `datasets` package: pip install 'rllm-async[datasets]'"
+        ) from None
+    local = Path(spec.path).expanduser()
+    with _offline():
+        try:
+            if (local / "dataset_info.json").is_file() or (local / "dataset_dict.json").is_file():
+                data = datasets.load_from_disk(str(local))  # written by save_to_disk
+                if isinstance(data, datasets.DatasetDict):
+                    if spec.split not in data:
+                        raise DataError(
+                            f"data.{split}.hf: {local} has no split {spec.split!r} (it has "
+                            f"{sorted(data)}): set data.{split}.hf.split"
+                        )
+                    data = data[spec.split]
+            else:
+                data = datasets.load_dataset(
+                    spec.path, spec.name, split=spec.split, data_files=spec.data_files
+                )
+        except DataError:
+            raise
+        except Exception as e:  # datasets' own errors: not cached, no such split or config
+            raise DataError(_hf_error(spec, split, e)) from None
+    return list(data.to_list())
+
+
+def _hf_error(spec: HFDatasetConfig, split: str, error: Exception) -> str:
+    """Why `spec` did not load, and, for a Hub name, how to get its files without the trainer
+    using the network."""
+    if Path(spec.path).expanduser().exists() or spec.data_files is not None:
+        return f"data.{split}.hf: cannot load {spec.path!r} ({type(error).__name__}: {error})"
+    args = ", ".join(
+        [repr(spec.path), *([repr(spec.name)] if spec.name else []), f"split={spec.split!r}"]
+    )
+    return (
+        f"data.{split}.hf: cannot load {spec.path!r} without the network ({type(error).__name__}: "
+        f"{error}). Training never downloads: fetch it once into the Hugging Face cache with "
+        f'`python -c "import datasets; datasets.load_dataset({args})"`, or save it with '
+        "save_to_disk and give that directory as the path"
+    )
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """Hugging Face Hub and datasets in offline mode: the environment, and the flags both read
+    from it at import."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    env = {name: os.environ.get(name) for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    flags = [
+        (datasets.config, "HF_HUB_OFFLINE"),
+        (datasets.config, "HF_DATASETS_OFFLINE"),
+        (huggingface_hub.constants, "HF_HUB_OFFLINE"),
+    ]
+    saved = [getattr(module, name, None) for module, name in flags]
+    os.environ.update(dict.fromkeys(env, "1"))
+    for module, name in flags:
+        setattr(module, name, True)
+    try:
+        yield
+    finally:
+        for (module, name), value in zip(flags, saved, strict=True):
+            setattr(module, name, value)
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # A task solved by every rollout of its last k groups is skipped on its next 2**(k-1) draws, up to
