@@ -150,8 +150,8 @@ class LoRA(nn.Module):
 
 
 def _linears(model: Transformer) -> list[tuple[str, nn.Linear, list[tuple[str, int]]]]:
-    """Each linear layer of the blocks: its weight's name, the layer, and the Hugging Face layers
-    it holds with their numbers of output rows, in order."""
+    """Each linear layer of the blocks: its module name, the layer, and the Hugging Face layers it
+    holds with their numbers of output rows, in order."""
     cfg = model.cfg
     q, kv = cfg.n_heads * cfg.hdim, cfg.kv_heads * cfg.hdim
     out = []

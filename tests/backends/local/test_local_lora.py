@@ -43,7 +43,8 @@ def randomize(lora: LoRA, seed: int = 1) -> None:
 
 def lora_config(**backend: Any) -> Any:
     lora = {"rank": 4, "alpha": 8.0, **backend.pop("lora", {})}
-    return make_config({"lora": lora, **backend})
+    # A KL penalty, so that the reference model (the frozen base) takes part.
+    return make_config({"lora": lora, **backend}, algorithm={"loss": {"kl_coef": 0.05}})
 
 
 def test_adapters_start_as_the_base_model_exactly() -> None:
@@ -205,13 +206,13 @@ def coin(task: dict[str, Any], text: str) -> float:
     return float(len(text) % 2)
 
 
-def test_export_writes_the_merged_model_a_peft_adapter_and_its_base(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
+def lora_run(tmp_path: Path, **backend: Any) -> Path:
+    """A two-step run with adapters at a large learning rate, checkpointed at the end."""
     config = config_from_dict(
         {
             "name": "lora",
             "run_dir": str(tmp_path),
-            "backend": {"name": "local", "max_seq_len": 64, "lora": {"rank": 4, "alpha": 8}},
+            "backend": {"name": "local", "max_seq_len": 64, **backend},
             "workflow": {"args": {"reward_fn": f"{__name__}:coin"}},
             "data": {
                 "train": {"generator": "rllm_async.tasks.countdown:generator", "args": {"n": 8}}
@@ -224,9 +225,15 @@ def test_export_writes_the_merged_model_a_peft_adapter_and_its_base(tmp_path: Pa
         }
     )
     UnifiedTrainer(config).run()
+    return config.run_path
+
+
+def test_export_writes_the_merged_model_a_peft_adapter_and_its_base(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    run_dir = lora_run(tmp_path, lora={"rank": 4, "alpha": 8})
     out = tmp_path / "export"
-    assert cli(["export", str(config.run_path), "--out", str(out)]) == 0
-    (ckpt,) = (config.run_path / "checkpoints").glob("step_*")
+    assert cli(["export", str(run_dir), "--out", str(out)]) == 0
+    (ckpt,) = (run_dir / "checkpoints").glob("step_*")
     state = torch.load(ckpt / "backend" / CHECKPOINT_FILE, weights_only=True)
     model = tiny()
     model.load_state_dict(state["model"])
@@ -313,3 +320,32 @@ def mixed_replies(n: int) -> list[dict[str, Any]]:
             }
         )
     return examples
+
+
+def test_a_checkpoint_directory_is_the_base_of_its_exported_adapter(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from rllm_async.backends.local.hf import load_checkpoint
+    from rllm_async.models.tiny_qwen import build_tiny_qwen
+
+    source = build_tiny_qwen(tmp_path / "tiny-qwen", hidden=128)
+    lora = {"rank": 2, "alpha": 4, "target_modules": ["k_proj", "v_proj", "up_proj"]}
+    run_dir = lora_run(tmp_path, model_path=str(source), lora=lora)
+    out = tmp_path / "export"
+    assert cli(["export", str(run_dir), "--out", str(out)]) == 0
+    assert not (out / "base").exists()
+    adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(source)
+    assert adapter_config["target_modules"] == ["k_proj", "up_proj", "v_proj"]
+    ckpt = load_checkpoint(source)
+    ids = ckpt.tokenizer.apply_chat_template([{"role": "user", "content": "what is 2 plus 3?"}])
+    tokens = torch.tensor([[*ids, *ckpt.tokenizer.encode("the answer is 5.")]])
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+        expected = torch.log_softmax(merged.eval()(tokens).logits, dim=-1)
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+        plain = torch.log_softmax(base.eval()(tokens).logits, dim=-1)
+        assert (plain - expected).abs().max() > 1e-3  # the adapters matter
+        adapted = peft.PeftModel.from_pretrained(base, str(out / "adapter")).eval()
+        got = torch.log_softmax(adapted(tokens).logits, dim=-1)
+        assert (got - expected).abs().max() < 1e-4
