@@ -70,8 +70,8 @@ def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, s: RopeScaling) -> tor
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as transformers does, against a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolated = 1 - ramp.to(inv_freq.device)
+    ramp = (torch.arange(dim // 2, device=inv_freq.device).float() - low) / (high - low)
+    extrapolated = 1 - ramp.clamp(0, 1)
     return inv_freq / s.factor * (1 - extrapolated) + inv_freq * extrapolated
 
 
