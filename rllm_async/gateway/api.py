@@ -17,7 +17,6 @@ from starlette.responses import Response
 from rllm_async.backends.base import PolicyClient
 from rllm_async.gateway.errors import APIError, ErrorShape, error_response, invalid
 from rllm_async.gateway.protocol import SamplingFields
-from rllm_async.gateway.protocol_responses import ResponseRequest
 from rllm_async.gateway.sessions import Session, SessionStore
 from rllm_async.rollout import ChatTemplateError, ChatTurn, ContextLengthError, RolloutContext
 
@@ -26,6 +25,16 @@ SESSION_HEADER = "x-session-id"
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+class TemperatureTopP(Protocol):
+    """A request that may set temperature and top_p (every API's does)."""
+
+    @property
+    def temperature(self) -> float | None: ...
+
+    @property
+    def top_p(self) -> float | None: ...
 
 
 class GatewayState(Protocol):
@@ -75,9 +84,13 @@ class API:
         return run
 
     def _authorize(self, request: Request) -> Session | None:
-        """Check the API key: the gateway's, or a session's (which names that session)."""
+        """Check the API key (`Authorization: Bearer` or `x-api-key`): the gateway's, or a session's
+        (which names that session)."""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        bearer = token.strip() if scheme.lower() == "bearer" else ""
+        # `x-api-key` is the Anthropic clients' header.
+        bearer = (
+            token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
+        )
         keyed = self.gw.sessions.by_key(bearer) if bearer else None
         key = self.gw.api_key
         if (
@@ -86,7 +99,9 @@ class API:
             and not hmac.compare_digest(bearer.encode(), key.encode())
         ):
             raise APIError(
-                401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key"
+                401,
+                "missing or wrong API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                code="invalid_api_key",
             )
         return keyed
 
@@ -147,9 +162,7 @@ class API:
             out["seed"] = (req.seed + index) % (2**63)
         return out
 
-    def temperature_top_p(
-        self, req: SamplingFields | ResponseRequest, session: Session | None
-    ) -> dict[str, Any]:
+    def temperature_top_p(self, req: TemperatureTopP, session: Session | None) -> dict[str, Any]:
         """The request's temperature and top_p; a locked session refuses values other than its own."""
         out: dict[str, Any] = {}
         if session is not None and session.locked:

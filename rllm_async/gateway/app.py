@@ -11,10 +11,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from rllm_async.gateway.anthropic import messages
 from rllm_async.gateway.api import API, GatewayState
 from rllm_async.gateway.chat_completions import chat_completions
 from rllm_async.gateway.completions import completions
-from rllm_async.gateway.errors import APIError, error_response
+from rllm_async.gateway.errors import APIError, anthropic_error_response, error_response
 from rllm_async.gateway.openapi import openapi_document
 from rllm_async.gateway.protocol import OpenSessionRequest
 from rllm_async.gateway.responses import responses
@@ -26,10 +27,11 @@ def build_app(gateway: GatewayState) -> Starlette:
     """The ASGI app of `gateway`; every route answers JSON, errors included."""
     api = API(gateway)
     v1 = [
-        ("/v1/models", _models, ["GET"]),
-        ("/v1/chat/completions", chat_completions, ["POST"]),
-        ("/v1/completions", completions, ["POST"]),
-        ("/v1/responses", responses, ["POST"]),
+        ("/v1/models", api.endpoint(_models), ["GET"]),
+        ("/v1/chat/completions", api.endpoint(chat_completions), ["POST"]),
+        ("/v1/completions", api.endpoint(completions), ["POST"]),
+        ("/v1/responses", api.endpoint(responses), ["POST"]),
+        ("/v1/messages", api.endpoint(messages, errors=anthropic_error_response), ["POST"]),
     ]
     routes = [
         Route("/health", api.endpoint(_health, auth=False), methods=["GET"]),
@@ -37,8 +39,8 @@ def build_app(gateway: GatewayState) -> Starlette:
         Route("/sessions", api.endpoint(_open_session), methods=["POST"]),
         Route("/sessions/{sid}", api.endpoint(_get_session), methods=["GET"]),
         Route("/sessions/{sid}", api.endpoint(_delete_session), methods=["DELETE"]),
-        *(Route(path, api.endpoint(fn), methods=m) for path, fn, m in v1),
-        *(Route("/sessions/{sid}" + path, api.endpoint(fn), methods=m) for path, fn, m in v1),
+        *(Route(path, fn, methods=m) for path, fn, m in v1),
+        *(Route("/sessions/{sid}" + path, fn, methods=m) for path, fn, m in v1),
     ]
     return Starlette(
         routes=routes,

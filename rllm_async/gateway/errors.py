@@ -59,6 +59,25 @@ def error_response(
     return JSONResponse(body, status_code=status)
 
 
+_ANTHROPIC_TYPES = {
+    **_TYPES,
+    409: "invalid_request_error",
+    413: "request_too_large",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_response(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> JSONResponse:
+    """The Anthropic API's error body, `{"type": "error", "error": {"type", "message"}}`, which
+    the `anthropic` client raises as its `APIStatusError` subclasses (`param` is in `message`)."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error")
+    body = {"type": "error", "error": {"type": kind, "message": message}}
+    return JSONResponse(body, status_code=status)
+
+
 def invalid(e: ValidationError) -> APIError:
     """A 400 naming the invalid parameter of a request body: a validator's `FieldError` names its
     own; otherwise the deepest error's location, without the union members pydantic tried."""

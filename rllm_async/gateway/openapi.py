@@ -8,10 +8,12 @@ from typing import Any
 from pydantic import BaseModel
 
 from rllm_async.gateway.protocol import ChatCompletionRequest, CompletionRequest, OpenSessionRequest
+from rllm_async.gateway.protocol_anthropic import MessagesRequest
 from rllm_async.gateway.protocol_responses import ResponseRequest
 
 _REF = "#/components/schemas/{model}"
 _ERROR = {"$ref": "#/components/schemas/Error"}
+_ANTHROPIC_ERROR = {"$ref": "#/components/schemas/AnthropicError"}
 _ERROR_SCHEMA = {
     "type": "object",
     "required": ["error"],
@@ -28,16 +30,30 @@ _ERROR_SCHEMA = {
         }
     },
 }
+_ANTHROPIC_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {
+            "type": "object",
+            "required": ["type", "message"],
+            "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+        },
+    },
+}
 
 
-def _operation(summary: str, body: type[BaseModel] | None = None) -> dict[str, Any]:
+def _operation(
+    summary: str, body: type[BaseModel] | None = None, error: dict[str, str] = _ERROR
+) -> dict[str, Any]:
     op: dict[str, Any] = {
         "summary": summary,
         "responses": {
             "200": {"description": "OK", "content": {"application/json": {}}},
             "default": {
                 "description": "an error",
-                "content": {"application/json": {"schema": _ERROR}},
+                "content": {"application/json": {"schema": error}},
             },
         },
     }
@@ -55,8 +71,9 @@ _SESSION = {"name": "sid", "in": "path", "required": True, "schema": {"type": "s
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     """Paths, request schemas and the error schema of every route."""
-    schemas: dict[str, Any] = {"Error": _ERROR_SCHEMA}
-    for model in (ChatCompletionRequest, CompletionRequest, ResponseRequest, OpenSessionRequest):
+    schemas: dict[str, Any] = {"Error": _ERROR_SCHEMA, "AnthropicError": _ANTHROPIC_ERROR_SCHEMA}
+    models = (ChatCompletionRequest, CompletionRequest, ResponseRequest, MessagesRequest)
+    for model in (*models, OpenSessionRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -65,6 +82,11 @@ def openapi_document() -> dict[str, Any]:
         "/v1/chat/completions": {"post": _operation("a chat completion", ChatCompletionRequest)},
         "/v1/completions": {"post": _operation("a text completion", CompletionRequest)},
         "/v1/responses": {"post": _operation("a response (Responses API)", ResponseRequest)},
+        "/v1/messages": {
+            "post": _operation(
+                "a message (Anthropic Messages API)", MessagesRequest, _ANTHROPIC_ERROR
+            )
+        },
     }
     paths: dict[str, Any] = {
         "/health": {"get": _operation("liveness and open sessions")},

@@ -1,5 +1,6 @@
 """Request bodies of chat and text completions, and what every API's request models share, as
-pydantic models (with protocol_responses.py, the source of the OpenAPI document).
+pydantic models (with protocol_responses.py and protocol_anthropic.py, the source of the OpenAPI
+document).
 
 Each field of the `openai` package's `CompletionCreateParams` is implemented, accepted and ignored
 (it changes nothing the policy samples or the trainer learns: `user`, `metadata`, `store`,
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
 
 MAX_N = 16
 MAX_STOP = 4
@@ -24,6 +25,17 @@ class FieldError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+def type_discriminator(tags: dict[str, str], default: str | None = None) -> Discriminator:
+    """A union's discriminator on its members' `type` (`default` when missing): the tag named in
+    `tags` (capitalized, so error locations leave it out), else the unknown type itself."""
+
+    def tag(item: Any) -> str | None:
+        kind = item.get("type", default) if isinstance(item, dict) else getattr(item, "type", None)
+        return tags.get(kind, kind) if isinstance(kind, str) else None
+
+    return Discriminator(tag)
 
 
 class StrictModel(BaseModel):

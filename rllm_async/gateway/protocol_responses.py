@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, Field, Tag, model_validator
 
-from rllm_async.gateway.protocol import FieldError, JSONSchemaFormat, ResponseFormat, StrictModel
+from rllm_async.gateway.protocol import (
+    FieldError,
+    JSONSchemaFormat,
+    ResponseFormat,
+    StrictModel,
+    type_discriminator,
+)
 
 
 class InputText(BaseModel):
@@ -58,25 +64,20 @@ class ReasoningItem(BaseModel):
     type: Literal["reasoning"]
 
 
-_ITEM_TAGS = {
-    "message": "Message",
-    "function_call": "FunctionCall",
-    "function_call_output": "FunctionCallOutput",
-    "reasoning": "Reasoning",
-}
-
-
-def _item_tag(item: Any) -> str | None:
-    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
-    return _ITEM_TAGS.get(kind, kind) if isinstance(kind, str) else None
-
-
 InputItem = Annotated[
     Annotated[InputMessage, Tag("Message")]
     | Annotated[FunctionCallItem, Tag("FunctionCall")]
     | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")]
     | Annotated[ReasoningItem, Tag("Reasoning")],
-    Discriminator(_item_tag),
+    type_discriminator(
+        {
+            "message": "Message",
+            "function_call": "FunctionCall",
+            "function_call_output": "FunctionCallOutput",
+            "reasoning": "Reasoning",
+        },
+        default="message",
+    ),
 ]
 
 

@@ -41,6 +41,7 @@ from starlette.responses import Response as HTTPResponse
 
 from rllm_async.gateway.api import API
 from rllm_async.gateway.chat_completions import check_format
+from rllm_async.gateway.conversation import ChatMessages, reply_calls
 from rllm_async.gateway.protocol_responses import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -85,30 +86,20 @@ async def responses(api: API, request: Request) -> HTTPResponse:
 
 def chat_messages(req: ResponseRequest) -> list[dict[str, Any]]:
     """`instructions` and `input` as chat messages: a reply's message and the `function_call`
-    items after it are one assistant turn, as the chat path recorded it (so the next call extends
-    its tokens); a `function_call_output` is a tool message; `reasoning` items are left out."""
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
+    items after it are one assistant turn; a `function_call_output` is a tool message;
+    `reasoning` items are left out."""
+    chat = ChatMessages(req.instructions)
     items = (
         [InputMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     )
     for item in items:
-        last = messages[-1] if messages else None
         if isinstance(item, InputMessage):
-            role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": item.text})
+            chat.say(item.role, item.text)
         elif isinstance(item, FunctionCallItem):
-            if last is None or last["role"] != "assistant":
-                last = {"role": "assistant", "content": ""}
-                messages.append(last)
-            call = {"name": item.name, "arguments": item.arguments}
-            last.setdefault("tool_calls", []).append(
-                {"id": item.call_id, "type": "function", "function": call}
-            )
+            chat.call(item.call_id, item.name, item.arguments)
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append({"role": "tool", "content": item.text, "tool_call_id": item.call_id})
-    return messages
+            chat.result(item.call_id, item.text)
+    return chat.messages
 
 
 def response_object(
@@ -140,10 +131,7 @@ def response_object(
                 content=[text],
             )
         )
-    calls = message.get("tool_calls") or []
-    if req.parallel_tool_calls is False:
-        calls = calls[:1]
-    for call in calls:
+    for call in reply_calls(turn, req.parallel_tool_calls is not False):
         output.append(
             ResponseFunctionToolCall(
                 id=f"fc_{secrets.token_hex(12)}",

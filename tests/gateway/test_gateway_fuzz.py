@@ -106,7 +106,12 @@ def load_schema() -> schemathesis.BaseSchema:
     """The gateway's OpenAPI document, asking for the served model (else nearly every body is a
     404)."""
     doc = copy.deepcopy(openapi_document())
-    for name in ("ChatCompletionRequest", "CompletionRequest", "ResponseRequest"):
+    for name in (
+        "ChatCompletionRequest",
+        "CompletionRequest",
+        "ResponseRequest",
+        "MessagesRequest",
+    ):
         doc["components"]["schemas"][name]["properties"]["model"] = {"const": "policy"}
     return schemathesis.openapi.from_dict(doc)
 
@@ -144,6 +149,7 @@ def cases(path: str, request: str) -> st.SearchStrategy[Case]:
 
 
 def check(status: int, content: bytes) -> None:
+    """No 5xx; an error has the OpenAI or the Anthropic shape (both have `error.message`/`type`)."""
     assert status < 500, content[:2000]
     if status >= 400:
         error = json.loads(content)["error"]
@@ -176,6 +182,15 @@ def test_responses_never_fail_on_the_server(client: Client, case: Case) -> None:
 
 @FUZZ
 @given(
+    case=cases("/v1/messages", "MessagesRequest")
+    | cases("/sessions/{sid}/v1/messages", "MessagesRequest")
+)
+def test_messages_never_fail_on_the_server(client: Client, case: Case) -> None:
+    client.send(case)
+
+
+@FUZZ
+@given(
     method=st.sampled_from(["GET", "POST", "DELETE", "PUT"]),
     path=st.sampled_from(
         [
@@ -187,6 +202,7 @@ def test_responses_never_fail_on_the_server(client: Client, case: Case) -> None:
             "/v1/chat/completions",
             "/v1/completions",
             "/v1/responses",
+            "/v1/messages",
         ]
     ),
     raw=st.binary(max_size=256)
