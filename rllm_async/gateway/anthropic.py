@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any
+from typing import Any, Literal
 
 from anthropic.types import (
     InputJSONDelta,
@@ -18,7 +18,6 @@ from anthropic.types import (
     RawMessageDeltaEvent,
     RawMessageStartEvent,
     RawMessageStopEvent,
-    StopReason,
     TextBlock,
     TextDelta,
     ThinkingBlock,
@@ -115,7 +114,7 @@ def message_object(req: MessagesRequest, turn: ChatTurn, *, model: str, tok: Any
         )
     step = turn.step
     stop = _stop_sequence(tok.decode(step.completion_ids), req.stop_sequences or ())
-    reason: StopReason
+    reason: Literal["tool_use", "max_tokens", "end_turn", "stop_sequence"]
     if calls:
         reason = "tool_use"
     elif turn.finish_reason == "length":
