@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from rllm_async.gateway.api import API, forced_prefix
+from rllm_async.gateway.conversation import reply_calls
 from rllm_async.gateway.protocol import ChatCompletionRequest, ResponseFormat
 from rllm_async.gateway.sse import data_stream
 from rllm_async.gateway.structured import format_error
@@ -47,8 +48,8 @@ def _body(
     choices = []
     for i, turn in enumerate(turns):
         message = dict(turn.message)
-        if message.get("tool_calls") and req.parallel_tool_calls is False:
-            message["tool_calls"] = message["tool_calls"][:1]
+        if message.get("tool_calls"):
+            message["tool_calls"] = reply_calls(turn, req.parallel_tool_calls is not False)
         if message.get("tool_calls") and not message["content"]:
             message["content"] = None
         choice: dict[str, Any] = {
