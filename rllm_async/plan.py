@@ -37,6 +37,7 @@ class Fit:
     t_sync: float
     meta: dict[str, Any]
     measured_step_s: float
+    filter_rate: float = 0.0
     measured: list[str] = field(default_factory=list)
     assumed: list[str] = field(default_factory=list)
 
@@ -65,6 +66,7 @@ class Fit:
             self.t_sync,
             meta,
             math.nan if servers != 1 or batch != 1 else self.measured_step_s,
+            self.filter_rate,
             list(self.measured),
             assumed,
         )
@@ -93,8 +95,10 @@ def fit(workload: Workload) -> Fit:
     assumed = [
         "one model call per rollout decoding its recorded completion; prompt prefill, tool and "
         "environment time are not modelled",
-        "every group trains (no zero-variance filtering, no failures)",
+        "groups are filtered at the recorded rate, independently of the setting; no failures",
         "the engine shares its decode rate evenly over the active rollouts (processor sharing)",
+        "generation and training do not slow each other down (separate devices): training "
+        "seconds per token are what this run measured, beside generation or not",
     ]
     rmax, n_half, identified = _fit_rate(rows)
     active = [r.active for r in rows]
@@ -113,6 +117,10 @@ def fit(workload: Workload) -> Fit:
     tokens = sum(s.tokens for s in steps)
     train_s = sum(s.train_s for s in steps)
     train_rate = tokens / train_s if train_s > 0 else 1e12
+    groups = meta.get("groups", {})
+    ended = sum(groups.get(k, 0) for k in ("consumed", "filtered", "failed", "dropped_stale"))
+    filter_rate = groups.get("filtered", 0) / ended if ended else 0.0
+    measured.append(f"filtered groups: {filter_rate:.1%} of the {ended} that ended")
     n = len(steps)
     measured_step_s = (steps[-1].end - float(meta.get("start", 0.0))) / n
     return Fit(
@@ -124,6 +132,7 @@ def fit(workload: Workload) -> Fit:
         t_sync=sum(s.sync_s for s in steps) / n,
         meta=meta,
         measured_step_s=measured_step_s,
+        filter_rate=filter_rate,
         measured=measured,
         assumed=assumed,
     )
@@ -203,12 +212,13 @@ def sim_config(f: Fit, c: Candidate, steps: int, seed: int, quiet: list[str]) ->
             "weight_update": "pin" if c.mode == "sync" else meta.get("weight_update", "pin"),
         },
     }
-    return load_config(overrides=quiet, defaults=defaults)
+    filtering = [f"algorithm.filter_zero_variance={str(f.filter_rate > 0).lower()}"]
+    return load_config(overrides=[*quiet, *filtering], defaults=defaults)
 
 
 def workflow(f: Fit, seed: int = 0) -> SimWorkflow:
     """The sim workflow drawing rollout lengths from the recorded ones."""
-    return SimWorkflow(lengths=f.lengths, seed=seed)
+    return SimWorkflow(lengths=f.lengths, seed=seed, filter_rate=f.filter_rate)
 
 
 def replay(f: Fit, c: Candidate, steps: int, seed: int = 0) -> dict[str, Any]:
@@ -305,6 +315,7 @@ def plan(
                 "max_concurrency": c.max_concurrency,
                 "step_s": round(out["step_s"], 4),
                 "waste": round(out["waste_steady"], 4),
+                "staleness_mean": round(out["staleness_mean"], 3),
                 "staleness_p50": out["staleness_p50"],
                 "staleness_p90": out["staleness_p90"],
                 "staleness_max": out["staleness_max"],

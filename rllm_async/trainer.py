@@ -216,6 +216,7 @@ class _Fit:
         if self._count_groups(coord.snapshot()):
             self.record.flush_extra(coord.version, asyncio.get_running_loop().time())
         self.record.close()
+        self.workload.meta["groups"] = coord.snapshot()
         self.workload.write(self.run_path)
         try:
             try:

@@ -37,6 +37,7 @@ def test_a_sim_run_writes_its_workload_and_it_round_trips(tmp_path: Path) -> Non
     path = config.run_path / FILE_NAME
     workload = read_workload(tmp_path)  # the run directory's parent finds it too
     assert workload.meta["groups_per_step"] == 4 and workload.meta["pipeline_depth"] == 1
+    assert workload.meta["groups"]["consumed"] == 12
     assert [s.step for s in workload.steps] == [1, 2, 3]
     assert all(s.tokens > 0 and s.train_s > 0 and s.sync_s == 0.5 for s in workload.steps)
     assert workload.rollouts_seen == len(workload.rollouts) >= 3 * 4 * 8

@@ -37,6 +37,9 @@ class SimWorkflowArgs(BaseModel):
     len_cap: int = Field(default=LEN_CAP, ge=1)
     # Recorded rollout lengths to draw from instead of the lognormal (`rllm-async plan`).
     lengths: list[int] = Field(default_factory=list)
+    # This fraction of tasks (fixed by id) rewards every rollout 0, so the zero-variance filter
+    # drops their groups; the other tasks' rollouts alternate 1 and 0 (`rllm-async plan`).
+    filter_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     exception_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     hang_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     reward_delay_s: float = Field(default=0.0, ge=0.0)
@@ -85,6 +88,9 @@ class SimWorkflow(Workflow):
             raise SimWorkflowError(f"injected failure (exception_rate={a.exception_rate})")
         if a.reward_delay_s:
             await asyncio.sleep(a.reward_delay_s)
+        if a.filter_rate:
+            filtered = uniforms(a.seed, task_id, "filter", n=1)[0] < a.filter_rate
+            return 0.0 if filtered else float(ctx.rollout_index % 2)
         p0 = float(task["p0"]) if "p0" in task else task_difficulty(task_id)
         version = sum(out.versions) / len(out.versions)
         logit = math.log(p0 / (1.0 - p0)) + a.version_slope * version
