@@ -135,3 +135,14 @@ def test_the_command_prints_the_plan_and_what_is_assumed(
     assert "10x rollout servers" in out and "assumed:" in out and "measured:" in out
     assert "recommended under" in out and "d=2 K=2" in out
     assert main(["plan", str(small_run / "missing")]) == 2
+
+
+def test_the_replay_filters_groups_at_the_recorded_rate(small_run: Path) -> None:
+    workload = read_workload(small_run)
+    assert fit(workload).filter_rate == 0.0
+    workload.meta["groups"] = {"consumed": 60, "filtered": 40, "failed": 0, "dropped_stale": 0}
+    f = fit(workload)
+    assert f.filter_rate == 0.4
+    out = replay(f, recorded_candidate(f), 12)
+    assert 0.25 < out["waste_steady"] < 0.55  # filtered groups' tokens are wasted
+    assert out["steps"] == 12
