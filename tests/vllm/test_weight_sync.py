@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from served import CONTEXT, hf_logprobs
+from served import CONTEXT, hf_logprobs, wait_generating
 
 from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.hf_tokenizer import load_tokenizer
@@ -91,9 +91,10 @@ def test_a_sync_during_requests_labels_every_token_with_its_version(
     async def go() -> None:
         await policy.generate(prompt, GREEDY)  # warm: the requests below start at once
         sent = sum(policy.requests_sent().values())
-        # Many long requests: the random model ends some early, at its end-of-turn token.
-        running = [asyncio.create_task(policy.generate(prompt, LONG)) for _ in range(32)]
-        await asyncio.sleep(0.5)
+        # Many long requests (the random model ends some early, at its end-of-turn token): more
+        # than the engine samples in the seconds its HTTP front end may take to pass the pause on.
+        running = [asyncio.create_task(policy.generate(prompt, LONG)) for _ in range(128)]
+        await wait_generating(policy.urls[0], tokens=128 * 4)
         assert all(policy.in_flight().values())
         sync = await policy.update_weights(weights["new"], 1, mode=mode)  # type: ignore[arg-type]
         assert sync.mode == mode
@@ -159,9 +160,9 @@ def test_staleness_counts_the_tokens_a_sync_left_on_the_old_weights(
 
     async def go() -> None:
         await policy.generate(prompt, GREEDY)  # warm: the requests below start at once
-        rollouts = [context() for _ in range(16)]
+        rollouts = [context() for _ in range(96)]  # more than finish before the pause lands
         running = [asyncio.create_task(ctx.generate(prompt)) for ctx in rollouts]
-        await asyncio.sleep(0.5)
+        await wait_generating(policy.urls[0], tokens=96 * 4)
         await policy.update_weights(weights["new"], 1, mode="keep")
         await asyncio.gather(*running)
         after = context()

@@ -280,12 +280,21 @@ class VLLMPolicy:
         """POST to one server; its JSON answer, or `VLLMServerError` naming server and cause.
 
         Control calls are bounded by `sync_timeout_s`; `long` ones (generation, `/pause`, which
-        may wait for requests in flight) by `read_timeout_s`.
+        may wait for requests in flight) by `read_timeout_s`. A connection that breaks is tried
+        once more on a new one: the server closes idle keep-alive connections, and a request
+        sent on one as it closes is lost (every call here may be sent twice: generation is
+        stateless, the control calls idempotent); a server that died then refuses the retry.
         """
         url = f"{server.url}{path}"
         timeout = httpx.USE_CLIENT_DEFAULT if long else self._sync_timeout
         try:
-            response = await self._http.post(url, timeout=timeout, **kwargs)
+            try:
+                response = await self._http.post(url, timeout=timeout, **kwargs)
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
+                try:
+                    response = await self._http.post(url, timeout=timeout, **kwargs)
+                except httpx.ConnectError:
+                    raise e from None
         except httpx.ConnectError as e:
             raise VLLMServerError(
                 f"cannot connect to the vLLM server at {server.url} ({e}): is it running?"
