@@ -1,32 +1,31 @@
 """UnifiedTrainer: one generation loop and one training loop under one structured-concurrency scope.
 
-`UnifiedTrainer` holds what outlives one fit; `_Fit` is one `fit()`: its state and both loops.
-The file runs past 400 lines so that the loop reads top to bottom in one place; everything it
-composes (evaluation, checkpoints, health guards, the step record, the rollout runner) lives in
-modules of its own.
+`UnifiedTrainer` holds what outlives one fit; `_Fit` is one `fit()`: its state and the training
+loop, read top to bottom, beside the generation loop (`generation.py`). Everything they compose
+(evaluation, checkpoints, health guards, the step record, the rollout runner) lives in modules of
+its own. The file runs past 400 lines so that the training loop reads in one place.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from pathlib import Path
 from typing import Any, get_args
 
 from rllm_async import checkpoint
 from rllm_async.algorithms.advantages import get_advantage_fn
 from rllm_async.backends import get_backend_factory
-from rllm_async.backends.base import Backend, SamplingParams
-from rllm_async.buffer import Dispatch, ReadyGroup, TrajectoryGroupBuffer
+from rllm_async.backends.base import Backend
+from rllm_async.buffer import ReadyGroup, TrajectoryGroupBuffer
 from rllm_async.callbacks import Callback
 from rllm_async.checkpoint import CheckpointState
 from rllm_async.config import Config, ConfigError
 from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.data import TaskSource, load_tasks
 from rllm_async.evaluation import EvalSchedule, Evaluator
-from rllm_async.health import FailureRateBreaker, NoSignalGuard
+from rllm_async.generation import Generation
 from rllm_async.metrics import MetricsAggregator, Reduce
-from rllm_async.runner import build_workflow, configured_parser, run_rollout
+from rllm_async.runner import build_workflow
 from rllm_async.step_record import (
     EVALUATION,
     FORWARD_BACKWARD,
@@ -34,7 +33,6 @@ from rllm_async.step_record import (
     StepRecord,
     consumed_metrics,
     sinks,
-    solved_metrics,
 )
 from rllm_async.workflows.base import Workflow
 from rllm_async.workload_record import WorkloadRecorder
@@ -114,7 +112,7 @@ class UnifiedTrainer:
         try:
             await fit.start()
             async with asyncio.TaskGroup() as scope:
-                generation = scope.create_task(fit.generate(), name="rllm-async:generation")
+                generation = scope.create_task(fit.generation.run(), name="rllm-async:generation")
                 scope.create_task(fit.train(generation), name="rllm-async:training")
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
@@ -154,15 +152,6 @@ class _Fit:
             on_epoch_end=self._epoch_ended,
         )
         self.policy = self.backend.policy()
-        self.sampling = SamplingParams(
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            max_tokens=cfg.rollout.max_tokens,
-        )
-        self.slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
-        self.dispatch_ids = itertools.count()
-        self.breaker = FailureRateBreaker(cfg)
-        self.no_signal = NoSignalGuard(cfg)
         self.evals = EvalSchedule(
             trainer.evaluator, cfg, self.policy, self.coordinator.wait_unpaused
         )
@@ -179,6 +168,16 @@ class _Fit:
             _workload_meta(cfg, trainer.virtual_clock),
             start=asyncio.get_running_loop().time(),
             seed=cfg.seed,
+        )
+        self.generation = Generation(
+            cfg,
+            self.workflow,
+            self.policy,
+            self.coordinator,
+            self.buffer,
+            self.source,
+            self.record,
+            self.workload,
         )
 
     def _epoch_started(self, epoch: int) -> None:
@@ -226,76 +225,6 @@ class _Fit:
         finally:
             for cb in self.callbacks:
                 cb.on_train_end(coord.version)
-
-    # -- generation ----------------------------------------------------------------------------
-
-    async def generate(self) -> None:
-        """Dispatch tasks as admission allows, fire and forget; close the buffer at the data's end."""
-        coord, source = self.coordinator, self.source
-        async with asyncio.TaskGroup() as rollouts:
-            while True:
-                await coord.wait_admissible()
-                task = source.pop()
-                if task is None:
-                    # A stale group may still hand its task back; wait until none can.
-                    await coord.wait_for(
-                        lambda: bool(source.requeued) or coord.outstanding == 0, "end of data"
-                    )
-                    if source.requeued:
-                        continue
-                    break
-                coord.dispatch()
-                dispatch = Dispatch(next(self.dispatch_ids), task, task["id"], coord.version)
-                self.buffer.open(dispatch)
-                for index in range(self.config.rollout.group_size):
-                    rollouts.create_task(self._rollout(dispatch, index))
-                # Admission may allow hundreds of groups at once: let the loop breathe between them.
-                await asyncio.sleep(0)
-        self.buffer.close()
-
-    async def _rollout(self, dispatch: Dispatch, index: int) -> None:
-        """One rollout of a dispatched group, into the buffer; the group's end when it completes."""
-        ro, record = self.config.rollout, self.record
-        loop = asyncio.get_running_loop()
-        async with self.slots:
-            self.coordinator.rollout_started()
-            token = self.workload.started(loop.time())
-            episode = None
-            try:
-                rollout = await run_rollout(
-                    self.workflow,
-                    dispatch.task,
-                    self.policy,
-                    sampling=self.sampling,
-                    pin=self.config.coordinator.weight_update == "pin",
-                    timeout_s=ro.timeout_s,
-                    retries=ro.retries,
-                    wait_unpaused=self.coordinator.wait_unpaused,
-                    report=record.add_generation,
-                    rollout_index=index,
-                    parser=configured_parser(self.config, self.policy),
-                )
-                episode = rollout.episode
-            finally:
-                self.coordinator.rollout_finished()
-                self.workload.finished(loop.time(), token, episode)
-        if episode is None:
-            record.add({"rollout/failures": 1})
-        else:
-            record.add_episode(episode, self.workflow.metric_reductions)
-            dispatch.tokens += episode.num_completion_tokens
-            if episode.is_correct is not None:
-                dispatch.judged += 1
-                dispatch.correct += episode.is_correct
-        self.breaker.observe(episode is None, rollout.last_error)
-        state = await self.buffer.add(dispatch.id, index, episode)
-        if state is None:
-            return
-        record.add(solved_metrics(dispatch, ro.group_size))
-        self.source.group_ended(dispatch.task, solved=dispatch.correct == ro.group_size)
-        if state in (GroupState.FILTERED, GroupState.FAILED):
-            record.add({"tokens/wasted": dispatch.tokens})
-        self.no_signal.observe(state)
 
     # -- training ------------------------------------------------------------------------------
 

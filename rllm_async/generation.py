@@ -1,0 +1,116 @@
+"""The generation side of one fit: a task dispatched whenever the coordinator admits one, its
+group's rollouts run fire-and-forget (at most `rollout.max_concurrency` at once), every episode
+handed to the buffer, and the per-rollout accounting (step record, health guards, workload)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from rllm_async.backends.base import PolicyClient, SamplingParams
+from rllm_async.buffer import Dispatch, TrajectoryGroupBuffer
+from rllm_async.config import Config
+from rllm_async.coordinator import GroupState, SyncCoordinator
+from rllm_async.data import TaskSource
+from rllm_async.health import FailureRateBreaker, NoSignalGuard
+from rllm_async.runner import configured_parser, run_rollout
+from rllm_async.step_record import StepRecord, solved_metrics
+from rllm_async.workflows.base import Workflow
+from rllm_async.workload_record import WorkloadRecorder
+
+
+class Generation:
+    """The generation loop of one `fit()`; `run()` ends when the data does (the buffer closed)."""
+
+    def __init__(
+        self,
+        config: Config,
+        workflow: Workflow,
+        policy: PolicyClient,
+        coordinator: SyncCoordinator,
+        buffer: TrajectoryGroupBuffer,
+        source: TaskSource,
+        record: StepRecord,
+        workload: WorkloadRecorder,
+    ) -> None:
+        self.config, self.workflow, self.policy = config, workflow, policy
+        self.coordinator, self.buffer, self.source = coordinator, buffer, source
+        self.record, self.workload = record, workload
+        self.sampling = SamplingParams(
+            temperature=config.rollout.temperature,
+            top_p=config.rollout.top_p,
+            max_tokens=config.rollout.max_tokens,
+        )
+        self.parser = configured_parser(config, policy)
+        self.slots = asyncio.Semaphore(config.rollout.max_concurrency)
+        self.dispatch_ids = itertools.count()
+        self.breaker = FailureRateBreaker(config)
+        self.no_signal = NoSignalGuard(config)
+
+    async def run(self) -> None:
+        """Dispatch tasks as admission allows, fire and forget; close the buffer at the data's end."""
+        coord, source = self.coordinator, self.source
+        async with asyncio.TaskGroup() as rollouts:
+            while True:
+                await coord.wait_admissible()
+                task = source.pop()
+                if task is None:
+                    # A stale group may still hand its task back; wait until none can.
+                    await coord.wait_for(
+                        lambda: bool(source.requeued) or coord.outstanding == 0, "end of data"
+                    )
+                    if source.requeued:
+                        continue
+                    break
+                coord.dispatch()
+                dispatch = Dispatch(next(self.dispatch_ids), task, task["id"], coord.version)
+                self.buffer.open(dispatch)
+                for index in range(self.config.rollout.group_size):
+                    rollouts.create_task(self._rollout(dispatch, index))
+                # Admission may allow hundreds of groups at once: let the loop breathe between them.
+                await asyncio.sleep(0)
+        self.buffer.close()
+
+    async def _rollout(self, dispatch: Dispatch, index: int) -> None:
+        """One rollout of a dispatched group, into the buffer; the group's end when it completes."""
+        ro, record = self.config.rollout, self.record
+        loop = asyncio.get_running_loop()
+        async with self.slots:
+            self.coordinator.rollout_started()
+            token = self.workload.started(loop.time())
+            episode = None
+            try:
+                rollout = await run_rollout(
+                    self.workflow,
+                    dispatch.task,
+                    self.policy,
+                    sampling=self.sampling,
+                    pin=self.config.coordinator.weight_update == "pin",
+                    timeout_s=ro.timeout_s,
+                    retries=ro.retries,
+                    wait_unpaused=self.coordinator.wait_unpaused,
+                    report=record.add_generation,
+                    rollout_index=index,
+                    parser=self.parser,
+                )
+                episode = rollout.episode
+            finally:
+                self.coordinator.rollout_finished()
+                self.workload.finished(loop.time(), token, episode)
+        if episode is None:
+            record.add({"rollout/failures": 1})
+        else:
+            record.add_episode(episode, self.workflow.metric_reductions)
+            dispatch.tokens += episode.num_completion_tokens
+            if episode.is_correct is not None:
+                dispatch.judged += 1
+                dispatch.correct += episode.is_correct
+        self.breaker.observe(episode is None, rollout.last_error)
+        state = await self.buffer.add(dispatch.id, index, episode)
+        if state is None:
+            return
+        record.add(solved_metrics(dispatch, ro.group_size))
+        self.source.group_ended(dispatch.task, solved=dispatch.correct == ro.group_size)
+        if state in (GroupState.FILTERED, GroupState.FAILED):
+            record.add({"tokens/wasted": dispatch.tokens})
+        self.no_signal.observe(state)
