@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
 
 from rllm_async import UnifiedTrainer
 from rllm_async.backends.base import Backend, PolicyClient
@@ -21,24 +20,11 @@ from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
 from rllm_async.workflows import OpenAIAgentWorkflow
 from rllm_async.workflows.openai_agent import openai_client
+from tests.gateway.test_gateway_frameworks import RESULT, Answer, calc
 from tests.scripted import ScriptedPolicy
 
 agents = pytest.importorskip("agents")
-RESULT = "RESULT-42"
 CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "6*7"}}</tool_call>'
-
-
-class Answer(BaseModel):
-    answer: int
-
-
-def calc(expr: str) -> str:
-    """Evaluate an arithmetic expression.
-
-    Args:
-        expr: the expression, e.g. 6*7
-    """
-    return RESULT
 
 
 def sampler(seed: int) -> ScriptedPolicy:
