@@ -41,9 +41,11 @@ class Evaluator:
         wait_unpaused: Callable[[], Awaitable[None]],
         *,
         background: bool = False,
+        version: int | None = None,
     ) -> dict[str, float]:
-        """The `eval/*` metrics of the current policy version. `background`: its requests queue
-        behind rollouts (`SamplingParams.priority` 1)."""
+        """The `eval/*` metrics of `version` (one the caller acquired and releases; None: the
+        current version, acquired here). `background`: its requests queue behind rollouts
+        (`SamplingParams.priority` 1)."""
         if not self.tasks:
             return {}
         cfg = self.config
@@ -55,7 +57,8 @@ class Evaluator:
             max_tokens=cfg.eval.max_tokens or cfg.rollout.max_tokens,
             priority=int(background),
         )
-        version = policy.acquire()
+        owned = version is None
+        pinned = policy.acquire() if version is None else version
         slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
 
         async def one(task: dict[str, Any]) -> Any:
@@ -66,7 +69,7 @@ class Evaluator:
                     policy,
                     sampling=sampling,
                     pin=True,
-                    version=version,
+                    version=pinned,
                     timeout_s=cfg.rollout.timeout_s,
                     retries=0,
                     wait_unpaused=wait_unpaused,
@@ -77,14 +80,15 @@ class Evaluator:
         try:
             episodes = await asyncio.gather(*(one(t) for t in self.tasks))
         finally:
-            policy.release(version)
+            if owned:
+                policy.release(pinned)
         done = [e for e in episodes if e is not None]
         reduced = MetricsAggregator()
         for episode in done:
             record_episode(reduced, "eval/episode/", episode, self.workflow.metric_reductions)
         out = {
             **reduced.take(),
-            "eval/policy_version": float(version),
+            "eval/policy_version": float(pinned),
             "eval/n": float(len(done)),
             "eval/failed": float(len(episodes) - len(done)),
             "eval/time_s": loop.time() - t0,
@@ -95,14 +99,15 @@ class Evaluator:
             if judged:
                 out["eval/accuracy"] = sum(judged) / len(judged)
         for cb in self.callbacks:
-            cb.on_eval_end(version, out)
+            cb.on_eval_end(pinned, out)
         return out
 
 
 class EvalSchedule:
-    """When the evaluations of one fit run. One due after a step runs beside the next steps and
-    lands in the first record written after it finishes; near the end (and the final one) it runs
-    inline, so that the last records hold every evaluation. At most one runs beside training."""
+    """When the evaluations of one fit run. One due after a step pins that step's version at once
+    and runs beside the next steps, after the evaluations due before it (one samples at a time);
+    it lands in the first record written after it finishes. The training loop never waits for one
+    before its last step, whose record holds every evaluation, the final one run there."""
 
     def __init__(
         self,
@@ -117,41 +122,60 @@ class EvalSchedule:
         self.wait_unpaused = wait_unpaused
         self.enabled = bool(evaluator.tasks)
         self.evaluated_version = -1
-        self._beside: asyncio.Task[dict[str, float]] | None = None
+        self._beside: list[asyncio.Task[dict[str, float]]] = []  # in the order they were due
 
-    async def evaluate(self, *, background: bool = False) -> dict[str, float]:
+    async def evaluate(self) -> dict[str, float]:
         """Evaluate the current policy now."""
-        out = await self.evaluator.evaluate(self.policy, self.wait_unpaused, background=background)
+        out = await self.evaluator.evaluate(self.policy, self.wait_unpaused)
         self.evaluated_version = int(out["eval/policy_version"])
         return out
 
-    async def after_step(self, step: int, scope: asyncio.TaskGroup) -> dict[str, float]:
-        """Start or run the evaluation due at `step` (in `scope` when it runs beside training);
-        returns the metrics of evaluations finished by now, for the step's record."""
+    async def after_step(self, step: int, scope: asyncio.TaskGroup) -> list[dict[str, float]]:
+        """Start the evaluation due at `step` beside training (in `scope`); returns the metrics of
+        evaluations finished by now, oldest first, one record's worth each. At the last step,
+        waits for those still running and runs the final one."""
         if not self.enabled:
-            return {}
+            return []
         cfg = self.config
-        total, every = cfg.train.total_steps, cfg.eval.every_steps
-        due = (every and step % every == 0) or (step >= total and cfg.eval.at_end)
-        ending = step + 1 >= total
-        # At most one evaluation runs beside training: a due one waits for the previous.
-        out = await self.collect(wait=bool(due) or ending) or {}
-        if due and ending:
-            out.update(await self.evaluate())
-        elif due:
-            self._beside = scope.create_task(
-                self.evaluate(background=True), name=f"rllm-async:evaluation-{step}"
+        every, last = cfg.eval.every_steps, step >= cfg.train.total_steps
+        due = bool(every) and step % every == 0
+        if due and not last:
+            version = self.policy.acquire()
+            after = self._beside[-1] if self._beside else None
+            self._beside.append(
+                scope.create_task(self._pinned(version, after), name=f"rllm-async:eval-{step}")
             )
+        finished = await self.collect(wait=last)
+        if last and (due or cfg.eval.at_end):
+            finished.append(await self.evaluate())
+        return finished
+
+    async def _pinned(
+        self, version: int, after: asyncio.Task[dict[str, float]] | None
+    ) -> dict[str, float]:
+        """Evaluate the acquired `version` once the evaluation `after` ended; release it."""
+        try:
+            if after is not None:
+                await asyncio.wait([after])
+            out = await self.evaluator.evaluate(
+                self.policy, self.wait_unpaused, background=True, version=version
+            )
+        finally:
+            self.policy.release(version)
+        self.evaluated_version = max(self.evaluated_version, version)
         return out
 
-    async def collect(self, *, wait: bool) -> dict[str, float] | None:
-        """The metrics of the evaluation beside training if it has finished (or, with `wait`, once
-        it finishes); None if there is none."""
-        task = self._beside
-        if task is None or not (wait or task.done()):
-            return None
-        self._beside = None
-        return await task
+    async def collect(self, *, wait: bool) -> list[dict[str, float]]:
+        """The metrics of the evaluations beside training that have finished (with `wait`, of all
+        of them, once they finish), oldest first."""
+        if wait and self._beside:
+            await asyncio.wait(self._beside)
+        done = 0
+        while done < len(self._beside) and self._beside[done].done():
+            done += 1
+        finished = [task.result() for task in self._beside[:done]]
+        del self._beside[:done]
+        return finished
 
 
 async def evaluate_checkpoint(config: Config, path: Path, backend: Backend) -> dict[str, float]:

@@ -347,10 +347,15 @@ class _Fit:
         self._count_groups(counts)
         record.add(record.step_metrics(counts, loop.time(), coord.take_generation_idle()))
         record.add({"data/epoch": self.source.epoch, "train/groups": num_groups})
-        record.add(await self.evals.after_step(step, evals), EVALUATION)
+        finished = await self.evals.after_step(step, evals)
+        if finished:
+            record.add(finished[0], EVALUATION)
         flushed = record.flush(step)
         for cb in self.callbacks:
             cb.on_step_end(step, flushed)
+        for later in finished[1:]:  # evaluations that finished together: a record of the step each
+            record.add(later, EVALUATION)
+            record.flush_extra(step, loop.time())
         ck = cfg.checkpoint
         if (ck.every_steps and step % ck.every_steps == 0) or (last and ck.at_end):
             await self._save_checkpoint()
@@ -366,9 +371,10 @@ class _Fit:
             await coord.update_policy(version)
         groups_ended = self._count_groups(coord.snapshot())
         finished = await self.evals.collect(wait=True)
-        if finished is not None:
-            record.add(finished, EVALUATION)
-        if finished is not None or groups_ended:
+        for evaluation in finished:
+            record.add(evaluation, EVALUATION)
+            record.flush_extra(version, loop.time())
+        if groups_ended and not finished:
             record.flush_extra(version, loop.time())
         if cfg.eval.at_end and self.evals.enabled and self.evals.evaluated_version != version:
             record.add(await self.evals.evaluate(), EVALUATION)

@@ -52,10 +52,13 @@ class SlowEval(ScriptedWorkflow):
         return await super().run(task, ctx)
 
 
-def _eval_run(tmp_path, every: int, *, eval_s: float = 0.0, epochs=None, callbacks=()):
-    """An async run of 6 steps of 2 groups on the fake backend, evaluating every `every` steps."""
+def _eval_run(
+    tmp_path, every: int, *, eval_s: float = 0.0, epochs=None, callbacks=(), mode="async"
+):
+    """A run of 6 steps of 2 groups on the fake backend, evaluating every `every` steps."""
     cfg = make_config(
         tmp_path,
+        mode=mode,
         train={"total_steps": 6, "groups_per_step": 2, "total_epochs": epochs},
         eval={"every_steps": every, "at_end": every > 0},
     )
@@ -76,9 +79,10 @@ def test_eval_every_n_steps_on_one_pinned_version_and_callbacks(tmp_path) -> Non
     backend, records = _eval_run(tmp_path, 2, callbacks=[rec])
     evals = [(r["step"], r["eval/policy_version"], r["eval/n"]) for r in records if "eval/n" in r]
     # Each evaluation scores the version of the step it was due at and lands in the first record
-    # written after it finishes; the one before the last step and the final one are waited for.
+    # written after it finishes; the last step waits for the one of version 4 and runs the final
+    # one, each in a record of its own.
     assert [(v, n) for _, v, n in evals] == [(2.0, 5.0), (4.0, 5.0), (6.0, 5.0)]
-    assert evals[0][0] in (3, 4) and evals[1][0] == 5 and evals[2][0] == 6
+    assert evals[0][0] in (3, 4) and evals[1][0] == 6 and evals[2][0] == 6
     assert [c[1:] for c in rec.calls if c[0] == "eval_end"] == [(2, 2.0), (4, 4.0), (6, 6.0)]
     assert rec.calls[0] == ("train_start", 0) and rec.calls[-1] == ("train_end", 6)
     assert [c[1] for c in rec.calls if c[0] == "step_end"] == [1, 2, 3, 4, 5, 6]
@@ -89,19 +93,23 @@ def test_eval_every_n_steps_on_one_pinned_version_and_callbacks(tmp_path) -> Non
     assert backend.policy().priorities.count(1) == 2 * 5
 
 
-def test_an_evaluation_runs_beside_training_without_holding_it_up(tmp_path) -> None:
-    _, plain = _eval_run(tmp_path / "plain", 0)
-    _, evaluated = _eval_run(tmp_path / "evaluated", 2, eval_s=3.0)
-    elapsed = {r["step"]: r["time/elapsed_s"] for r in evaluated if "time/step_s" in r}
-    # Steps 1-4 keep their pace while the 3-second evaluation of version 2 runs. Then each due
-    # evaluation waits for the one before (step 4), the step before the last waits for the one
-    # of version 4 (step 5), and the last step runs the final one inline.
-    assert [elapsed[s] for s in (1, 2, 3, 4)] == pytest.approx(
-        [r["time/elapsed_s"] for r in plain[:4]]
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_evaluations_run_beside_training_without_holding_it_up(tmp_path, mode) -> None:
+    _, plain = _eval_run(tmp_path / "plain", 0, mode=mode)
+    _, evaluated = _eval_run(tmp_path / "evaluated", 2, eval_s=3.0, mode=mode)
+    steps = [r for r in evaluated if "time/step_s" in r]
+    # Every step keeps its pace while the 3-second evaluations of versions 2 and 4 run one after
+    # the other, each on the version it pinned when it was due.
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert [r["time/elapsed_s"] for r in steps] == pytest.approx(
+        [r["time/elapsed_s"] for r in plain]
     )
-    lands = {r["eval/policy_version"]: r["step"] for r in evaluated if "eval/n" in r}
-    assert lands == {2.0: 4, 4.0: 5, 6.0: 6}
-    assert elapsed[6] - elapsed[5] >= 3.0 and elapsed[5] - elapsed[4] >= 2.0
+    assert not any("eval/n" in r for r in steps[:5])
+    # Only the last step waits: for both, then for the final evaluation, a record each; the three
+    # ran one after the other from step 2 on.
+    lands = [(r["step"], r["eval/policy_version"]) for r in evaluated if "eval/n" in r]
+    assert lands == [(6, 2.0), (6, 4.0), (6, 6.0)]
+    assert evaluated[-1]["time/elapsed_s"] >= steps[1]["time/elapsed_s"] + 3 * 3.0
 
 
 def test_evaluations_after_the_data_ran_out_get_records_of_the_last_step(tmp_path) -> None:
