@@ -264,6 +264,14 @@ def test_reward_rises_when_only_adapters_train(tmp_path: Path) -> None:
     """Async GRPO with adapters only, after a warm start that answers in digits or in letters
     half the time: the adapters learn to answer in digits. (The `tiny` preset's initial
     embeddings are too small for adapters alone to move its output much.)"""
+    records = adapters_only_run(tmp_path)
+    start, end = mean_reward(records[:1]), mean_reward(records[-5:])  # step 1 samples the base
+    assert 0.3 < start < 0.7
+    assert end > 0.9, (start, end)
+
+
+def adapters_only_run(tmp_path: Path, **backend: Any) -> list[dict[str, Any]]:
+    """The step records of 30 async GRPO steps that train adapters only, rewarding digits."""
     warm_start = {
         "examples": f"{__name__}:mixed_replies",
         "args": {"n": 200},
@@ -283,6 +291,7 @@ def test_reward_rises_when_only_adapters_train(tmp_path: Path) -> None:
                 "max_seq_len": 32,
                 "lora": {"rank": 8, "alpha": 32},
                 "warm_start": warm_start,
+                **backend,
             },
             "rollout": {"group_size": 8, "max_tokens": 8, "temperature": 1.0},
             "coordinator": {"pipeline_depth": 1, "max_staleness": 1},
@@ -298,10 +307,7 @@ def test_reward_rises_when_only_adapters_train(tmp_path: Path) -> None:
         workflow=SingleTurnWorkflow(reward_fn=digit_fraction),
         train_tasks=[{"id": str(i), "prompt": f"n={i}"} for i in range(200)],
     )
-    records = trainer.run()
-    start, end = mean_reward(records[:1]), mean_reward(records[-5:])  # step 1 samples the base
-    assert 0.3 < start < 0.7
-    assert end > 0.9, (start, end)
+    return trainer.run()
 
 
 def mixed_replies(n: int) -> list[dict[str, Any]]:
