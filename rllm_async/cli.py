@@ -128,6 +128,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from rllm_async.serve import serve
 
     path, overrides = _split_args(args.rest)
+    api_key = args.api_key or os.environ.get("RLLM_ASYNC_API_KEY") or None
+    if args.train:
+        return _serve_train(args, path, overrides, api_key)
     found: Path | None = None
     if args.checkpoint:
         given = Path(args.checkpoint)
@@ -141,11 +144,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
             checkpoint=found,
             host=args.host,
             port=args.port,
-            api_key=args.api_key or os.environ.get("RLLM_ASYNC_API_KEY") or None,
+            api_key=api_key,
             model=args.model,
             export_path=Path(args.export) if args.export else None,
         )
     )
+    return 0
+
+
+def _serve_train(
+    args: argparse.Namespace, path: str | None, overrides: list[str], api_key: str | None
+) -> int:
+    """`serve --train CONFIG`: serve and train on the episodes the clients reward."""
+    from rllm_async.serve import ONLINE_WAIT_S, online_trainer
+
+    if path is None:
+        raise ConfigError("serve --train needs a config: rllm-async serve --train CONFIG")
+    for flag in ("checkpoint", "export"):
+        if getattr(args, flag):
+            raise ConfigError(
+                f"serve --train takes no --{flag}: a run resumes from its own checkpoints "
+                "(checkpoint.resume) and trains on what its sessions record"
+            )
+    config = load_config(path, overrides)
+    if "timeout_s" not in config.rollout.model_fields_set:
+        config = load_config(path, [f"rollout.timeout_s={ONLINE_WAIT_S}", *overrides])
+    trainer = online_trainer(
+        config, host=args.host, port=args.port, api_key=api_key, model=args.model
+    )
+    trainer.run()
     return 0
 
 
@@ -223,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="required key (default: $RLLM_ASYNC_API_KEY)")
     srv.add_argument("--model", default="policy", help="the model name clients ask for")
     srv.add_argument("--export", default=None, help="append closed sessions' records to this JSONL")
+    srv.add_argument(
+        "--train",
+        action="store_true",
+        help="train on the episodes clients reward (POST /sessions/{id}/reward); docs/online_rl.md",
+    )
     srv.set_defaults(func=cmd_serve)
 
     exp = sub.add_parser("export", help="a checkpoint as a Hugging Face model directory")

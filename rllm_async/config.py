@@ -140,6 +140,9 @@ class LossConfig(_Section):
     kl_coef: float = Field(default=0.0, ge=0.0)
     # Weight the k3 penalty by the importance ratio to the sampler: unbiased under off-policy samples.
     kl_bias_correction: bool = False
+    # The policy the clipped ratio is taken against: the sampler's logprobs, or the trainer's own,
+    # recomputed before a batch's first optimizer step (verl's old_log_prob, PPO's pi_old).
+    behaviour_logprobs: Literal["sampler", "recomputed"] = "sampler"
 
 
 class AlgorithmConfig(_Section):
@@ -196,6 +199,15 @@ class LoggingConfig(_Section):
     jsonl: bool = True
 
 
+class OnlineConfig(_Section):
+    """Online training (`rllm-async serve --train`): episodes that clients run in gateway sessions
+    and reward over HTTP, grouped and trained like any other group."""
+
+    group_by: Literal["task", "prompt"] = "task"
+    session_ttl_s: float = Field(default=600.0, gt=0.0)
+    group_ttl_s: float = Field(default=1800.0, gt=0.0)
+
+
 class Config(_Section):
     name: str = "run"
     seed: int = 0
@@ -211,6 +223,7 @@ class Config(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    online: OnlineConfig = Field(default_factory=OnlineConfig)
     run_dir: str = "runs"
 
     @model_validator(mode="after")

@@ -17,7 +17,7 @@ from rllm_async.gateway.chat_completions import chat_completions
 from rllm_async.gateway.completions import completions
 from rllm_async.gateway.errors import APIError, anthropic_error_response, error_response
 from rllm_async.gateway.openapi import openapi_document
-from rllm_async.gateway.protocol import OpenSessionRequest
+from rllm_async.gateway.protocol import OpenSessionRequest, RewardRequest
 from rllm_async.gateway.responses import responses
 
 log = logging.getLogger("rllm_async.gateway")
@@ -39,6 +39,7 @@ def build_app(gateway: GatewayState) -> Starlette:
         Route("/sessions", api.endpoint(_open_session), methods=["POST"]),
         Route("/sessions/{sid}", api.endpoint(_get_session), methods=["GET"]),
         Route("/sessions/{sid}", api.endpoint(_delete_session), methods=["DELETE"]),
+        Route("/sessions/{sid}/reward", api.endpoint(_reward), methods=["POST"]),
         *(Route(path, fn, methods=m) for path, fn, m in v1),
         *(Route("/sessions/{sid}" + path, fn, methods=m) for path, fn, m in v1),
     ]
@@ -84,13 +85,33 @@ async def _open_session(api: API, request: Request) -> Response:
             403, "sessions are opened by the trainer on this gateway", code="sessions_managed"
         )
     req = await api.body(request, OpenSessionRequest)
-    session = api.gw.open_session(req.ttl_s)
+    session = api.gw.open_session(req.ttl_s, req.task)
     body = {
         "id": session.id,
         "base_url": api.gw.session_url(session.id, request),
         "api_key": session.key,
+        "task": session.task,
     }
     return JSONResponse(body, status_code=201)
+
+
+async def _reward(api: API, request: Request) -> Response:
+    if not api.gw.open_sessions:
+        raise APIError(
+            403,
+            "rewards are computed by the trainer's workflow on this gateway",
+            code="sessions_managed",
+        )
+    api.session(request)  # the API key, when it is a session's, must be this one's
+    req = await api.body(request, RewardRequest)
+    session = api.gw.reward(request.path_params["sid"], req.reward, req.task)
+    body = {
+        "id": session.id,
+        "reward": session.reward,
+        "task": session.task,
+        "calls": session.calls,
+    }
+    return JSONResponse(body)
 
 
 async def _get_session(api: API, request: Request) -> Response:

@@ -7,7 +7,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from rllm_async.gateway.protocol import ChatCompletionRequest, CompletionRequest, OpenSessionRequest
+from rllm_async.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenSessionRequest,
+    RewardRequest,
+)
 from rllm_async.gateway.protocol_anthropic import MessagesRequest
 from rllm_async.gateway.protocol_responses import ResponseRequest
 
@@ -73,7 +78,7 @@ def openapi_document() -> dict[str, Any]:
     """Paths, request schemas and the error schema of every route."""
     schemas: dict[str, Any] = {"Error": _ERROR_SCHEMA, "AnthropicError": _ANTHROPIC_ERROR_SCHEMA}
     models = (ChatCompletionRequest, CompletionRequest, ResponseRequest, MessagesRequest)
-    for model in (*models, OpenSessionRequest):
+    for model in (*models, OpenSessionRequest, RewardRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -95,6 +100,10 @@ def openapi_document() -> dict[str, Any]:
             "parameters": [_SESSION],
             "get": _operation("the session's recorded calls"),
             "delete": _operation("close a session (standalone serve)"),
+        },
+        "/sessions/{sid}/reward": {
+            "parameters": [_SESSION],
+            "post": _operation("report the episode's reward; closes the session", RewardRequest),
         },
         **v1,
     }

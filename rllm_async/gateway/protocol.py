@@ -270,6 +270,16 @@ class CompletionRequest(SamplingFields):
 
 
 class OpenSessionRequest(StrictModel):
-    """`POST /sessions` (standalone `serve` only)."""
+    """`POST /sessions` (standalone `serve` only); `task` names the episode's group for online
+    training (see `RewardRequest`)."""
 
     ttl_s: float | None = Field(default=None, gt=0.0, le=86_400.0)
+    task: str | None = Field(default=None, min_length=1, max_length=512)
+
+
+class RewardRequest(StrictModel):
+    """`POST /sessions/{id}/reward`: the episode's reward, a finite number; `task` names its group
+    (instead of, or the same as, the key given when the session was opened)."""
+
+    reward: float = Field(strict=True, allow_inf_nan=False)
+    task: str | None = Field(default=None, min_length=1, max_length=512)

@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from rllm_async.backends.base import PolicyClient, SamplingParams
 from rllm_async.gateway.app import build_app
+from rllm_async.gateway.errors import APIError
 from rllm_async.gateway.sessions import Session, SessionStore
 from rllm_async.rollout import RolloutContext
 from rllm_async.rollout.reply_parser import ReplyParser
@@ -59,9 +60,13 @@ class Gateway:
 
     A session records every call (exact prompt and completion tokens, logprobs, versions) as Steps
     of its `RolloutContext`; `sessions.close(id)` forgets it. With `open_sessions` (standalone
-    `serve`) clients open and delete sessions over HTTP, and sessions expire after `session_ttl_s`.
-    A call outside any session waits on the pause of the contexts given to `session` (a trainer's
-    weight sync, which every rollout's context shares), so no weights half-updated serve it.
+    `serve`) clients open and delete sessions over HTTP, and sessions expire after `session_ttl_s`;
+    a client reports a session's reward with `POST /sessions/{id}/reward`, which closes it and
+    hands it to `on_reward` (online training), while `on_expired` hears of each session that
+    expired unrewarded; `locked_sessions` makes them sample with `sampling`'s temperature and
+    top_p only (the trainer's loss assumes them). A call outside any session, and every call of a session opened over HTTP,
+    waits on the pause of the contexts given to `session` or `follow_pause` (a trainer's weight
+    sync, which every rollout's context shares), so no weights half-updated serve it.
     """
 
     def __init__(
@@ -78,6 +83,9 @@ class Gateway:
         max_body_bytes: int = 4 * 2**20,
         export_path: Path | None = None,
         parser: ReplyParser | None = None,
+        on_reward: Callable[[Session], None] | None = None,
+        on_expired: Callable[[Session], None] | None = None,
+        locked_sessions: bool = False,
     ) -> None:
         self.policy = policy
         self.parser = parser  # reads the replies of calls outside a rollout's context
@@ -87,8 +95,13 @@ class Gateway:
         self.open_sessions = open_sessions
         self.session_ttl_s = session_ttl_s
         self.max_body_bytes = max_body_bytes
+        self.on_reward = on_reward
+        self.locked_sessions = locked_sessions
         self.sessions = SessionStore(
-            max_sessions=max_sessions, max_calls=max_calls_per_session, export_path=export_path
+            max_sessions=max_sessions,
+            max_calls=max_calls_per_session,
+            export_path=export_path,
+            on_expired=on_expired,
         )
         self.created = int(time.time())
         self.app = build_app(self)
@@ -102,22 +115,64 @@ class Gateway:
     def session(self, ctx: RolloutContext) -> Session:
         """A session recording into a rollout's `ctx`, sampling with its temperature and top_p;
         calls outside a session wait on `ctx`'s pause from now on."""
-        self._wait_unpaused = ctx.wait_unpaused
+        self.follow_pause(ctx.wait_unpaused)
         return self.sessions.open(ctx, locked=True)
 
-    def open_session(self, ttl_s: float | None = None) -> Session:
-        """A standalone session with its own context, closed after `ttl_s` (default the TTL)."""
+    def follow_pause(self, wait_unpaused: Callable[[], Awaitable[None]]) -> None:
+        """Calls outside a trainer's rollouts (no session, or one opened over HTTP) wait on
+        `wait_unpaused` (the trainer's weight-sync pause) from now on."""
+        self._wait_unpaused = wait_unpaused
+
+    async def _wait_out_pause(self) -> None:
+        await self._wait_unpaused()
+
+    def open_session(self, ttl_s: float | None = None, task: str | None = None) -> Session:
+        """A standalone session with its own context, closed after `ttl_s` (default the TTL);
+        `task` is the group key of its episode for online training."""
         loop = asyncio.get_running_loop()
         ctx = RolloutContext(
             self.policy,
             sampling=self.sampling,
             pin=False,
-            wait_unpaused=_never_paused,
+            wait_unpaused=self._wait_out_pause,
             deadline=loop.time() + (ttl_s or self.session_ttl_s),
             task_id="serve",
             parser=self.parser,
         )
-        return self.sessions.open(ctx, locked=False)
+        return self.sessions.open(ctx, locked=self.locked_sessions, task=task)
+
+    def reward(self, session_id: str, reward: float, task: str | None) -> Session:
+        """Record the reward of an open session's episode and close it (`on_reward` takes it);
+        an APIError, changing nothing, when the session is gone or cannot take it."""
+        self.sessions.expire()  # a reward past the session's TTL is late
+        session = self.sessions.get(session_id)
+        if task is not None and session.task is not None and task != session.task:
+            raise APIError(
+                400,
+                f"task {task!r}: the session was opened with task {session.task!r}; "
+                "leave task out or give the same",
+                param="task",
+                code="invalid_parameter",
+            )
+        if session.busy:
+            raise APIError(
+                409,
+                f"session {session_id!r} has a call in flight: report the reward once the "
+                "episode's calls have returned",
+                code="session_busy",
+            )
+        if not session.ctx.trajectories():
+            raise APIError(
+                409,
+                f"session {session_id!r} recorded no model call: there is no episode to reward",
+                code="session_empty",
+            )
+        session.reward = reward
+        session.task = task or session.task
+        self.sessions.close(session_id, "rewarded")
+        if self.on_reward is not None:
+            self.on_reward(session)
+        return session
 
     def scratch_context(self) -> RolloutContext:
         """A context for one call outside any session; what it records is dropped."""

@@ -199,6 +199,7 @@ def test_messages_never_fail_on_the_server(client: Client, case: Case) -> None:
             "/sessions",
             "/sessions/x",
             "/sessions/x/v1/models",
+            "/sessions/x/reward",
             "/v1/chat/completions",
             "/v1/completions",
             "/v1/responses",
