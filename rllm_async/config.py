@@ -82,6 +82,9 @@ class RolloutConfig(_Section):
     retries: int = Field(default=1, ge=0)
     min_group_size: int = Field(default=2, ge=1)
     max_concurrency: int = Field(default=256, ge=1)
+    # Under coordinator.max_staleness, this share of max_concurrency while a running rollout has
+    # used more than half of the bound (the late ones decode faster); null: a fixed limit.
+    late_concurrency: float | None = Field(default=0.5, gt=0.0, le=1.0)
     max_failure_rate: float = Field(default=0.5, gt=0.0, le=1.0)
     failure_window: int = Field(default=200, ge=1)
     # How replies are read (tool calls, reasoning); auto: from the checkpoint (rollout.reply_parser).

@@ -47,6 +47,7 @@ REDUCTIONS: dict[str, Reduce] = {
     "staleness/mean": "mean",
     "staleness/max": "max",
     "time/forward_backward_s": "sum",
+    "time/recompute_logprobs_s": "sum",
     "time/optim_step_s": "sum",
     "time/sync_s": "sum",
     "time/sync_overhead_s": "sum",

@@ -9,13 +9,14 @@ its own. The file runs past 400 lines so that the training loop reads in one pla
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, get_args
 
 from rllm_async import checkpoint
 from rllm_async.algorithms.advantages import get_advantage_fn
 from rllm_async.backends import get_backend_factory
-from rllm_async.backends.base import Backend
+from rllm_async.backends.base import Backend, RecomputesLogprobs
 from rllm_async.buffer import ReadyGroup, TrajectoryGroupBuffer
 from rllm_async.callbacks import Callback
 from rllm_async.checkpoint import CheckpointState
@@ -79,6 +80,14 @@ class UnifiedTrainer:
             backend = factory.from_config(config)
         else:
             self.virtual_clock = bool(getattr(backend, "virtual_clock", False))
+        if config.algorithm.loss.behaviour_logprobs == "recomputed" and not isinstance(
+            backend, RecomputesLogprobs
+        ):
+            raise ConfigError(
+                f"algorithm.loss.behaviour_logprobs: recomputed needs a backend that recomputes "
+                f"old logprobs, and {type(backend).__name__} does not: set behaviour_logprobs: "
+                "sampler, or use backend.name: local"
+            )
         self.backend = backend
         self.coordinator = SyncCoordinator(
             config.coordinator,
@@ -245,25 +254,40 @@ class _Fit:
     async def _train_step(self) -> int:
         """Train one batch of `groups_per_step` groups: its `mini_batches` optimizer steps, the
         first pass streaming groups into `forward_backward` as they arrive, then the kept groups
-        again for each further epoch; the number of groups trained, 0 when the data ran out."""
+        again for each further epoch; the number of groups trained, 0 when the data ran out.
+
+        With recomputed old logprobs the whole batch is taken before its first optimizer step:
+        the later mini-batches stream into `recompute_logprobs` instead, and are trained after.
+        """
         tr = self.config.train
+        ahead = self.config.algorithm.loss.behaviour_logprobs == "recomputed"
         kept: list[list[ReadyGroup]] = []
-        for _ in range(tr.mini_batches):
-            mini, idle = await self._take(tr.groups_per_update)
+        idle = 0.0
+        for i in range(tr.mini_batches):
+            consume = self._recompute_logprobs if ahead and i else self._forward_backward
+            mini, waited = await self._take(tr.groups_per_update, consume)
             if not mini:
                 break
             kept.append(mini)
-            await self._optimizer_step(idle)
-        for _ in range(tr.epochs_per_batch - 1):
-            for mini in kept:
-                for start in range(0, len(mini), tr.micro_batch_groups):
-                    await self._forward_backward(mini[start : start + tr.micro_batch_groups])
-                await self._optimizer_step(0.0)
+            idle += waited
+            if not ahead:
+                await self._optimizer_step(idle)
+                idle = 0.0
+        for epoch in range(tr.epochs_per_batch):
+            for i, mini in enumerate(kept):
+                if epoch or (ahead and i):
+                    for start in range(0, len(mini), tr.micro_batch_groups):
+                        await self._forward_backward(mini[start : start + tr.micro_batch_groups])
+                if epoch or ahead:
+                    await self._optimizer_step(idle)
+                    idle = 0.0
         return sum(len(mini) for mini in kept)
 
-    async def _take(self, size: int) -> tuple[list[ReadyGroup], float]:
-        """Consume up to `size` groups, streaming micro-batches into `forward_backward`; the groups
-        (fewer when the data ran out) and the seconds spent waiting for them."""
+    async def _take(
+        self, size: int, consume: Callable[[list[ReadyGroup]], Awaitable[None]]
+    ) -> tuple[list[ReadyGroup], float]:
+        """Consume up to `size` groups, streaming micro-batches into `consume`; the groups (fewer
+        when the data ran out) and the seconds spent waiting for them."""
         cfg, coord, record = self.config, self.coordinator, self.record
         loop = asyncio.get_running_loop()
         taken: list[ReadyGroup] = []
@@ -288,10 +312,10 @@ class _Fit:
             taken.append(ready)
             micro.append(ready)
             if len(micro) == cfg.train.micro_batch_groups:
-                await self._forward_backward(micro)
+                await consume(micro)
                 micro = []
         if micro:
-            await self._forward_backward(micro)
+            await consume(micro)
         return taken, idle
 
     async def _optimizer_step(self, idle: float) -> None:
@@ -329,6 +353,14 @@ class _Fit:
         seconds = loop.time() - t0
         self.record.add({"time/forward_backward_s": seconds})
         self.workload.trained(sum(g.num_completion_tokens for g in groups), seconds)
+
+    async def _recompute_logprobs(self, micro: list[ReadyGroup]) -> None:
+        """Have the backend keep the current policy's logprobs of `micro` as their old ones."""
+        assert isinstance(self.backend, RecomputesLogprobs)  # checked at construction
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await self.backend.recompute_logprobs([g for ready in micro for g in ready.groups])
+        self.record.add({"time/recompute_logprobs_s": loop.time() - t0})
 
     async def _after_step(
         self, num_groups: int, generation: asyncio.Task[None], evals: asyncio.TaskGroup

@@ -7,6 +7,13 @@ that ratio with a detached factor `k` per token (truncate: the effective weight 
 `is_cap`; mask: a token or sequence whose ratio exceeds `is_cap` is dropped), and OPSM drops
 negative-advantage sequences that drifted too far from the sampler.
 
+Recomputed old logprobs (`behaviour_logprobs: recomputed`, decoupled PPO as in verl): the ratio and
+its clipping are taken against the trainer's own logprobs from before the batch's first optimizer
+step, and `importance_sampling` turns into the detached correction from the sampler to that old
+policy: each token's loss is multiplied by the old-over-sampler weight (truncated at `is_cap`, or
+masked above it; `none` leaves it out). OPSM, `sampler_kl` and the KL bias correction still compare
+the trainer with the sampler, whose samples the tokens are.
+
 Every function returns *sums* over loss tokens: the caller divides by the optimizer step's total
 token count, so splitting a step into micro-batches does not change the gradient.
 """
@@ -28,6 +35,7 @@ _MEAN_KEYS = (
     "sampler_kl",
     "kl_ref",
     "kl_ref_corrected",
+    "old_sampler_kl",
 )
 # exp() of a sequence's summed log-ratio overflows quickly; stats are clamped to this log range.
 _MAX_LOG = 30.0
@@ -110,28 +118,38 @@ def policy_loss(
     mask: torch.Tensor,
     cfg: LossConfig,
     ref_logprobs: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
 ) -> LossOutput:
     """The summed loss over loss tokens of a padded batch of sequences.
 
     All inputs are [S, T] aligned per token: the trainer's logprobs of the sampled tokens (with
     grad), the sampler's logprobs, per-token advantages, a 0/1 loss mask, and optionally a frozen
-    reference model's logprobs for the `kl_coef` penalty.
+    reference model's logprobs for the `kl_coef` penalty. With `old_logprobs` (the trainer's own,
+    recomputed before the batch's first optimizer step) the ratio is taken against those.
     """
     mask = mask.to(logprobs.dtype)
     log_ratio = (logprobs - sampler_logprobs) * mask
     ratio = torch.exp(log_ratio)
+    if old_logprobs is None:
+        pg_ratio = ratio
+        factor, weight, clipped = importance_factor(log_ratio, mask, cfg)
+    else:
+        pg_ratio = torch.exp((logprobs - old_logprobs) * mask)
+        old_log_ratio = (old_logprobs - sampler_logprobs) * mask
+        factor, weight, clipped = importance_factor(old_log_ratio, mask, cfg)
+        if cfg.importance_sampling != "none":
+            factor = weight  # the ratio leaves old/sampler out: the weight itself corrects
     lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
     if cfg.name == "ppo_clip":
-        pg = -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
-        clip_low = (ratio < lo) & (advantages < 0)
-        clip_high = (ratio > hi) & (advantages > 0)
+        pg = -torch.minimum(pg_ratio * advantages, pg_ratio.clamp(lo, hi) * advantages)
+        clip_low = (pg_ratio < lo) & (advantages < 0)
+        clip_high = (pg_ratio > hi) & (advantages > 0)
     elif cfg.name == "cispo":
-        pg = -ratio.clamp(lo, hi).detach() * logprobs * advantages
-        clip_low, clip_high = ratio < lo, ratio > hi
+        pg = -pg_ratio.clamp(lo, hi).detach() * logprobs * advantages
+        clip_low, clip_high = pg_ratio < lo, pg_ratio > hi
     else:  # importance_sampling
-        pg = -ratio * advantages
+        pg = -pg_ratio * advantages
         clip_low = clip_high = torch.zeros_like(mask, dtype=torch.bool)
-    factor, weight, clipped = importance_factor(log_ratio, mask, cfg)
 
     stats = LossStats()
     seq_tokens = mask.sum(-1)
@@ -162,6 +180,8 @@ def policy_loss(
     stats.add("clip_frac_low", float((clip_low & on).sum()))
     stats.add("clip_frac_high", float((clip_high & on).sum()))
     stats.add("sampler_kl", float((_k3(log_ratio.detach()) * mask).sum()))
+    if old_logprobs is not None:
+        stats.add("old_sampler_kl", float((_k3(old_log_ratio.detach()) * mask).sum()))
     stats.add("is_weight", float((weight * mask).sum()))
     stats.add("is_clipped", float(clipped.sum()))
     if bool(on.any()):

@@ -137,6 +137,16 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
+@runtime_checkable
+class RecomputesLogprobs(Protocol):
+    """A backend that can take the ratio against its own old logprobs
+    (`algorithm.loss.behaviour_logprobs: recomputed`). `forward_backward` at a batch's first
+    optimizer step keeps its own logprobs as the old ones; `recompute_logprobs` keeps them for
+    groups first trained after that step, and is called before it."""
+
+    async def recompute_logprobs(self, groups: list[TrajectoryGroup]) -> None: ...
+
+
 class BackendFactory(Protocol):
     """What the `rllm_async.backends` entry point names: a class (or object) that builds a backend.
 

@@ -330,6 +330,10 @@ def test_backend_refuses_a_closed_port_at_start_up(monkeypatch) -> None:
         ({"importance_sampling": "token_truncate"}, "importance_sampling is token_truncate"),
         ({"importance_sampling": "sequence_mask"}, "set it to none"),
         ({"opsm_kl_threshold": 0.5}, "opsm_kl_threshold"),
+        (
+            {"behaviour_logprobs": "recomputed"},
+            "behaviour_logprobs is recomputed.*set it to sampler",
+        ),
     ],
 )
 def test_unsupported_loss_options_are_refused_with_what_to_use(loss, named) -> None:

@@ -131,6 +131,17 @@ def test_kl_penalty_is_refused() -> None:
         check_config(cfg)
 
 
+def test_recomputed_old_logprobs_are_refused() -> None:
+    cfg = config_from_dict(
+        {
+            "backend": {"name": "verl", "model_path": "/x"},
+            "algorithm": {"loss": {"behaviour_logprobs": "recomputed"}},
+        }
+    )
+    with pytest.raises(ConfigError, match=r"behaviour_logprobs is recomputed.*set it to sampler"):
+        check_config(cfg)
+
+
 def test_unknown_option_gets_a_suggestion() -> None:
     with pytest.raises(ConfigError, match="did you mean 'gpus_per_node'"):
         check_config(make_config(gpu_per_node=2))

@@ -1,7 +1,8 @@
 """The `sim` backend: a deterministic, model-free simulation of generation and training.
 
 Generation runs on a simulated inference server (`server.py`). Training takes completion tokens /
-train_rate seconds, each optimizer step t_optim; weight syncs take t_sync. Used by tests, benchmarks and to dry-run a schedule.
+train_rate seconds (recomputing old logprobs, a forward pass only, a third of that), each optimizer
+step t_optim; weight syncs take t_sync. Used by tests, benchmarks and to dry-run a schedule.
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ class SimBackend:
             for g in groups
         )
         return {"sim/train_tokens": float(tokens), "sim/train_s": seconds}
+
+    async def recompute_logprobs(self, groups: list[TrajectoryGroup]) -> None:
+        """A no-grad forward pass over `groups` (old logprobs): a third of a training pass's time."""
+        tokens = sum(g.num_completion_tokens for g in groups)
+        if self.opts.latency == "ps" and tokens:
+            await asyncio.sleep(tokens / self.train_rate / 3)
 
     async def optim_step(self) -> dict[str, float]:
         if self.opts.latency == "ps" and self.opts.t_optim:

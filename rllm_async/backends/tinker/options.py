@@ -61,6 +61,12 @@ def loss_problems(loss: LossConfig) -> list[str]:
             "algorithm.loss.opsm_kl_threshold is set, but Tinker has no off-policy sequence mask: "
             "set it to null, or use backend.name: local"
         )
+    if loss.behaviour_logprobs != "sampler":
+        problems.append(
+            f"algorithm.loss.behaviour_logprobs is {loss.behaviour_logprobs}, but Tinker's losses "
+            "take the ratio to the sampler's logprobs and cannot recompute old ones: set it to "
+            "sampler, or use backend.name: local"
+        )
     return problems
 
 

@@ -127,6 +127,13 @@ def check_config(config: Config) -> VerlOptions:
             f"algorithm.loss.kl_coef is {config.algorithm.loss.kl_coef}, but the verl backend builds "
             "no reference model: set it to 0, or use backend.name: local"
         )
+    if config.algorithm.loss.behaviour_logprobs != "sampler":
+        problems.append(
+            "algorithm.loss.behaviour_logprobs is "
+            f"{config.algorithm.loss.behaviour_logprobs}, but the verl backend trains through "
+            "verl's engine with the sampler's logprobs as the old ones and does not run its "
+            "old-logprob pass: set it to sampler, or use backend.name: local"
+        )
     co = config.coordinator
     if opts.rollout != "local" and co.weight_update == "pin" and co.pipeline_depth > 0:
         problems.append(
