@@ -156,7 +156,7 @@ def _serve_train(
     args: argparse.Namespace, path: str | None, overrides: list[str], api_key: str | None
 ) -> int:
     """`serve --train CONFIG`: serve and train on the episodes the clients reward."""
-    from rllm_async.serve import ONLINE_WAIT_S, online_trainer
+    from rllm_async.serve import online_trainer
 
     if path is None:
         raise ConfigError("serve --train needs a config: rllm-async serve --train CONFIG")
@@ -167,8 +167,6 @@ def _serve_train(
                 "(checkpoint.resume) and trains on what its sessions record"
             )
     config = load_config(path, overrides)
-    if "timeout_s" not in config.rollout.model_fields_set:
-        config = load_config(path, [f"rollout.timeout_s={ONLINE_WAIT_S}", *overrides])
     trainer = online_trainer(
         config, host=args.host, port=args.port, api_key=api_key, model=args.model
     )

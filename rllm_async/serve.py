@@ -10,7 +10,7 @@ from rllm_async.backends import get_backend_factory
 from rllm_async.backends.base import SamplingParams
 from rllm_async.callbacks import Callback
 from rllm_async.checkpoint import load as load_checkpoint
-from rllm_async.config import BackendConfig, Config, ConfigError
+from rllm_async.config import BackendConfig, Config, ConfigError, config_from_dict
 from rllm_async.gateway.server import Gateway
 from rllm_async.runner import configured_parser
 from rllm_async.trainer import UnifiedTrainer
@@ -90,13 +90,19 @@ def online_trainer(
     config: Config, *, host: str, port: int, api_key: str | None, model: str
 ) -> UnifiedTrainer:
     """A trainer of `config` whose rollouts are the episodes that clients of the gateway at
-    `host:port` run and reward (`OnlineWorkflow`); it prints the gateway's URL once serving."""
+    `host:port` run and reward (`OnlineWorkflow`); it prints the gateway's URL once serving.
+    Unless `rollout.timeout_s` is set, a dispatched group waits `ONLINE_WAIT_S` for its episodes."""
     for split in ("train", "eval"):
         if getattr(config.data, split) is not None:
             raise ConfigError(
                 f"data.{split} is set, but online training takes its episodes from the gateway's "
                 f"clients: remove data.{split}"
             )
+    if "timeout_s" not in config.rollout.model_fields_set:
+        data = config.model_dump(mode="json", exclude_unset=True)
+        config = config_from_dict(
+            {**data, "rollout": {**data.get("rollout", {}), "timeout_s": ONLINE_WAIT_S}}
+        )
     ro, on = config.rollout, config.online
     workflow = OnlineWorkflow(
         group_size=ro.group_size,
