@@ -1,5 +1,5 @@
 """The generation side of one fit: a task dispatched whenever the coordinator admits one, its
-group's rollouts run fire-and-forget (at most `rollout.max_concurrency` at once), every episode
+group's rollouts run fire-and-forget (as many at once as `RolloutSlots` allows), every episode
 handed to the buffer, and the per-rollout accounting (step record, health guards, workload)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from rllm_async.config import Config
 from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.data import TaskSource
 from rllm_async.health import FailureRateBreaker, NoSignalGuard
+from rllm_async.rollout_slots import RolloutSlots
 from rllm_async.runner import configured_parser, run_rollout
 from rllm_async.step_record import StepRecord, solved_metrics
 from rllm_async.workflows.base import Workflow
@@ -42,7 +43,9 @@ class Generation:
             max_tokens=config.rollout.max_tokens,
         )
         self.parser = configured_parser(config, policy)
-        self.slots = asyncio.Semaphore(config.rollout.max_concurrency)
+        self.slots = RolloutSlots(
+            config.rollout.max_concurrency, config.rollout.late_concurrency, coordinator
+        )
         self.dispatch_ids = itertools.count()
         self.breaker = FailureRateBreaker(config)
         self.no_signal = NoSignalGuard(config)
@@ -75,7 +78,8 @@ class Generation:
         """One rollout of a dispatched group, into the buffer; the group's end when it completes."""
         ro, record = self.config.rollout, self.record
         loop = asyncio.get_running_loop()
-        async with self.slots:
+        start = await self.slots.acquire()
+        try:
             self.coordinator.rollout_started()
             token = self.workload.started(loop.time())
             episode = None
@@ -97,6 +101,8 @@ class Generation:
             finally:
                 self.coordinator.rollout_finished()
                 self.workload.finished(loop.time(), token, episode)
+        finally:
+            self.slots.release(start)
         if episode is None:
             record.add({"rollout/failures": 1})
         else:

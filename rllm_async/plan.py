@@ -203,6 +203,8 @@ def sim_config(f: Fit, c: Candidate, steps: int, seed: int, quiet: list[str]) ->
             "group_size": int(meta["group_size"]),
             "max_tokens": max(f.lengths),
             "max_concurrency": c.max_concurrency,
+            # Records from before the adaptive limit ran with a fixed one.
+            "late_concurrency": meta.get("late_concurrency"),
             "timeout_s": 1e9,
         },
         "coordinator": {

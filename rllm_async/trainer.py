@@ -166,6 +166,7 @@ class _Fit:
         )
         self.resume_from = checkpoint.resume_path(cfg.checkpoint.resume, self.run_path)
         initial = checkpoint.read_state(self.resume_from).version if self.resume_from else 0
+        self.recorded = initial  # the step of the last record (a batch's last version)
         self.record = StepRecord(
             MetricsAggregator(sinks(cfg, initial)),
             trainer.records,
@@ -220,9 +221,11 @@ class _Fit:
         workflow and the backend; the callbacks hear of the end."""
         coord = self.coordinator
         self._cancel_outstanding()
-        # A run that ended early (an error, an interrupt): what ended since its last record.
+        # A run that ended early (an error, an interrupt): what ended since its last record, as
+        # one more record of that step (inside a batch of several versions, not the versions
+        # that a resume trains again).
         if self._count_groups(coord.snapshot()):
-            self.record.flush_extra(coord.version, asyncio.get_running_loop().time())
+            self.record.flush_extra(self.recorded, asyncio.get_running_loop().time())
         self.record.close()
         self.workload.meta["groups"] = coord.snapshot()
         self.workload.write(self.run_path)
@@ -383,6 +386,7 @@ class _Fit:
         if finished:
             record.add(finished[0], EVALUATION)
         flushed = record.flush(step)
+        self.recorded = step
         for cb in self.callbacks:
             cb.on_step_end(step, flushed)
         for later in finished[1:]:  # evaluations that finished together: a record of the step each
@@ -456,6 +460,7 @@ def _workload_meta(config: Config, virtual_clock: bool) -> dict[str, Any]:
         "micro_batch_groups": tr.micro_batch_groups,
         "group_size": ro.group_size,
         "max_concurrency": ro.max_concurrency,
+        "late_concurrency": ro.late_concurrency,
         "max_tokens": ro.max_tokens,
     }
 

@@ -1,0 +1,191 @@
+"""RolloutSlots: the limit shrinks while a rollout is late and grows back; property tests that no
+waiting rollout starves, and that the trainer keeps the hard bound with the limit binding."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rllm_async.config import CoordinatorConfig
+from rllm_async.coordinator import SyncCoordinator
+from rllm_async.rollout_slots import RolloutSlots
+from rllm_async.trainer import UnifiedTrainer
+from rllm_async.vclock import run
+from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
+
+
+async def _no_hook(version: int) -> None:
+    return None
+
+
+def _coordinator(max_staleness: int | None) -> SyncCoordinator:
+    config = CoordinatorConfig(pipeline_depth=0, max_staleness=max_staleness)
+    return SyncCoordinator(config, groups_per_step=1, on_policy_updated=_no_hook)
+
+
+def test_the_limit_shrinks_while_a_rollout_is_staler_than_half_the_bound() -> None:
+    async def scenario() -> None:
+        coord = _coordinator(max_staleness=8)
+        slots = RolloutSlots(4, 0.5, coord)
+        old = await slots.acquire()
+        await coord.update_policy(4)
+        assert slots.limit() == 4, "staleness 4 is not more than 8 // 2"
+        await coord.update_policy(5)
+        assert slots.limit() == 2
+        young = await slots.acquire()
+        assert young == 5 and slots.running == 2
+        waiting = [asyncio.create_task(slots.acquire()) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert slots.running == 2 and not any(t.done() for t in waiting)
+        slots.release(young)  # the late rollout still runs: only one more may start
+        await asyncio.sleep(0)
+        assert [t.done() for t in waiting] == [True, False, False]
+        slots.release(old)  # none is late now: the full limit again
+        await asyncio.sleep(0)
+        assert all(t.done() for t in waiting) and slots.running == 3
+
+    run(scenario(), virtual=True)
+
+
+def test_without_a_bound_or_a_share_the_limit_is_fixed() -> None:
+    async def scenario() -> None:
+        for k, share in ((None, 0.5), (2, None)):
+            coord = _coordinator(max_staleness=k)
+            slots = RolloutSlots(3, share, coord)
+            await slots.acquire()
+            await coord.update_policy(10)
+            assert slots.limit() == 3
+            assert [await slots.acquire() for _ in range(2)] == [10, 10]
+
+    run(scenario(), virtual=True)
+
+
+def test_a_cancelled_waiter_gives_its_slot_back() -> None:
+    async def scenario() -> None:
+        slots = RolloutSlots(1, 0.5, _coordinator(max_staleness=2))
+        first = await slots.acquire()
+        waiter = asyncio.create_task(slots.acquire())
+        await asyncio.sleep(0)
+        slots.release(first)  # grants the waiter, which is cancelled before it resumes
+        waiter.cancel()
+        await asyncio.sleep(0)
+        assert slots.running == 0
+        assert await slots.acquire() == 0
+
+    run(scenario(), virtual=True)
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> dict:
+    n = draw(st.integers(1, 60))
+    return {
+        "k": draw(st.integers(0, 6)),
+        "max_concurrency": draw(st.integers(1, 12)),
+        "share": draw(st.sampled_from([None, 0.1, 0.5, 0.9, 1.0])),
+        "arrivals": draw(st.lists(st.floats(0.0, 20.0), min_size=n, max_size=n)),
+        "durations": draw(st.lists(st.floats(0.01, 10.0), min_size=n, max_size=n)),
+        "step_s": draw(st.floats(0.5, 5.0)),
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(w=workloads())
+def test_grants_in_order_within_the_limit_and_never_starve(w: dict) -> None:
+    """Whatever the versions do, rollouts start first come first served, never above the limit
+    as it stood, and each waits at most (rollouts ahead of it + 1) times the longest rollout."""
+    longest = max(w["durations"])
+    granted: list[int] = []
+    waits: list[tuple[float, int]] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        coord = _coordinator(max_staleness=w["k"])
+        slots = RolloutSlots(w["max_concurrency"], w["share"], coord)
+        queued: list[int] = []
+
+        async def rollout(i: int) -> None:
+            await asyncio.sleep(w["arrivals"][i])
+            ahead = len(queued) - len(granted)  # arrived before it, not started yet
+            queued.append(i)
+            limit, arrived = slots.limit(), loop.time()
+            start = await slots.acquire()
+            if loop.time() == arrived:  # no wait: it was admitted under the limit of the time
+                assert slots.running <= limit
+            granted.append(i)
+            waits.append((loop.time() - arrived, ahead))
+            await asyncio.sleep(w["durations"][i])
+            slots.release(start)
+
+        async def trainer() -> None:
+            version = 0
+            while len(granted) < len(w["arrivals"]) or slots.running:
+                await asyncio.sleep(w["step_s"])
+                version += 1
+                await coord.update_policy(version)
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(trainer())
+            for i in range(len(w["arrivals"])):
+                group.create_task(rollout(i))
+        assert slots.running == 0
+
+        assert granted == queued
+
+    run(scenario(), virtual=True)
+    assert len(granted) == len(w["arrivals"])
+    for waited, ahead in waits:
+        assert waited <= (ahead + 1) * longest + 1e-6
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> dict:
+    d = draw(st.integers(0, 3))
+    return {
+        "d": d,
+        "k": d + draw(st.integers(0, 3)),
+        "gps": draw(st.integers(1, 4)),
+        "group_size": draw(st.integers(1, 4)),
+        "max_concurrency": draw(st.integers(1, 8)),
+        "share": draw(st.sampled_from([None, 0.25, 0.5, 1.0])),
+        "alpha": draw(st.floats(1.05, 3.0)),  # Pareto tail index: small = very heavy tail
+        "scale": draw(st.floats(0.01, 2.0)),
+        "train_s": draw(st.floats(0.0, 3.0)),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(s=schedules())
+def test_the_trainer_keeps_the_hard_bound_with_the_late_limit(tmp_path, s: dict) -> None:
+    """Heavy-tailed rollouts under a binding concurrency limit: every step trains, no trained
+    group is staler than K, and the run ends (no rollout waits for ever)."""
+    rng = random.Random(s["seed"])
+    backend = FakeBackend(
+        latency=lambda: rng.paretovariate(s["alpha"]) * s["scale"], train_s=s["train_s"]
+    )
+    workflow = ScriptedWorkflow(reward=lambda task, i, a: float(rng.random() < 0.5))
+    cfg = make_config(
+        tmp_path,
+        train={"total_steps": 6, "groups_per_step": s["gps"], "micro_batch_groups": 1},
+        rollout={
+            "group_size": s["group_size"],
+            "min_group_size": 1,
+            "timeout_s": 1e6,
+            "max_concurrency": s["max_concurrency"],
+            "late_concurrency": s["share"],
+        },
+        coordinator={"pipeline_depth": s["d"], "max_staleness": s["k"]},
+        algorithm={"filter_zero_variance": False},
+    )
+    trainer = UnifiedTrainer(cfg, backend=backend, workflow=workflow, train_tasks=tasks(50))
+    records = run(trainer.fit(), virtual=True)
+
+    assert len(records) == 6
+    assert all(len(step) == s["gps"] for step in backend.trained)
+    assert backend.staleness and max(backend.staleness) <= s["k"]
+    assert backend.policy().live == {}, "every pinned snapshot is released"
