@@ -67,3 +67,72 @@ def test_resume_never_starts_fresh(tmp_path) -> None:
             virtual=True,
         )
         assert records[0]["step"] == 1
+
+
+@pytest.mark.parametrize(("mini_batches", "epochs"), [(2, 2), (1, 3)])
+def test_resume_with_several_optimizer_steps_per_batch(tmp_path, mini_batches, epochs) -> None:
+    per = mini_batches * epochs  # optimizer steps (versions) per batch
+    rng = random.Random(7)
+    cfg = make_config(
+        tmp_path,
+        train={
+            "total_steps": 12 * per,
+            "total_epochs": 1,
+            "groups_per_step": 4,
+            "micro_batch_groups": 2,
+            "mini_batches": mini_batches,
+            "epochs_per_batch": epochs,
+        },
+        coordinator={"pipeline_depth": 1, "max_staleness": per},
+        checkpoint={"every_steps": 2 * per, "resume": "auto", "at_end": True},
+        algorithm={"filter_zero_variance": False},
+    )
+    latency = lambda: rng.expovariate(1.0)  # noqa: E731
+    workflow = ScriptedWorkflow(reward=lambda t, i, a: float(i % 2))
+    # forward_backward calls per batch: two micro-batches for each of its `epochs` passes; the
+    # crash comes inside the fifth batch, after its first optimizer step and the fourth's checkpoint.
+    calls = 2 * epochs
+    crashing = FakeBackend(latency=latency, fb_fault=lambda n: n == 4 * calls + 3)
+    first = UnifiedTrainer(cfg, backend=crashing, workflow=workflow, train_tasks=tasks(40))
+    with pytest.raises(RuntimeError, match="injected"):
+        run(first.fit(), virtual=True)
+    assert 4 * per < first.coordinator.version < 5 * per, "it crashed inside a batch"
+    checkpoints = {p.name for p in (cfg.run_path / "checkpoints").iterdir()}
+    assert checkpoints == {f"step_{2 * per}", f"step_{4 * per}"}
+
+    resumed_backend = FakeBackend(latency=latency)
+    second = UnifiedTrainer(cfg, backend=resumed_backend, workflow=workflow, train_tasks=tasks(40))
+    records = run(second.fit(), virtual=True)
+    # Versions continue from the checkpoint, one record per batch at its last version, and the
+    # run ends with the data: 40 tasks are 10 batches.
+    assert [r["step"] for r in records] == [per * b for b in range(5, 11)]
+    assert second.coordinator.version == resumed_backend.policy().version == 10 * per
+    assert len(resumed_backend.trained) == 6 * per
+
+    def batches(steps: list) -> list[set[str]]:
+        """The tasks of each batch; every pass over a batch trains the same groups."""
+        out = []
+        for b in range(0, len(steps), per):
+            passes = [
+                steps[b + e * mini_batches : b + (e + 1) * mini_batches] for e in range(epochs)
+            ]
+            assert all(p == passes[0] for p in passes)
+            out.append({tid for step in passes[0] for tid, _ in step})
+        return out
+
+    lineage = batches(crashing.trained[: 4 * per]) + batches(resumed_backend.trained)
+    assert all(len(b) == 4 for b in lineage)
+    assert sorted(t for b in lineage for t in b) == sorted(f"t{i}" for i in range(40))
+    # Staleness is counted from each batch's first version, within the bound after the resume
+    # as before it, and the resumed counts start from the checkpoint's batches.
+    assert all(r["staleness/max"] <= per for r in records)
+    counts = second.coordinator.counts
+    assert counts.consumed == 40
+    assert counts.dispatched - 4 * 4 == sum(r["groups/dispatched"] for r in records)
+    assert counts.dispatched == counts.consumed + counts.dropped_stale + counts.cancelled
+
+    # Every record, the crashed attempt's included, is of a batch's last version: what ended after
+    # the crash is one more record of the last batch recorded, not of a version trained again.
+    lines = (cfg.run_path / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines]
+    assert sorted(set(steps)) == [per * b for b in range(1, 11)], steps
