@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
@@ -13,20 +14,24 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
-from rllm_async.backends.local.hf import checkpoint_dir
+from rllm_async.backends.local.hf import checkpoint_dir, model_config, read_config
 from rllm_async.backends.local.learner import Learner
 from rllm_async.backends.local.learner_process import LearnerProcess, LearnerSpec
 from rllm_async.backends.local.lora import LoRAOptions
 from rllm_async.backends.local.model import (
     Transformer,
     build_model,
-    frozen_copy,
     hf_state_dict,
     load_model,
     preset_config,
 )
 from rllm_async.backends.local.sampler import Sampler
 from rllm_async.backends.local.snapshots import WeightStore
+from rllm_async.backends.local.transformers_model import (
+    Decoder,
+    inference_copy,
+    load_transformers_model,
+)
 from rllm_async.backends.local.warm_start import WarmStartOptions, warm_start
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import Config, ConfigError, LossConfig, validate_options
@@ -34,6 +39,7 @@ from rllm_async.engines.vllm import VLLMPolicy
 from rllm_async.engines.vllm.engine import VLLMEngine, VLLMOptions
 from rllm_async.types import TrajectoryGroup
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 CHECKPOINT_FILE = "local_backend.pt"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,6 +52,10 @@ class LocalOptions(BaseModel):
 
     model: Literal["tiny", "small"] = "tiny"  # a built-in preset, initialised from `seed`
     model_path: str | None = None  # a local Llama/Qwen-family checkpoint directory instead
+    # Which code runs a `model_path` checkpoint: our decoder (`native`), transformers'
+    # AutoModelForCausalLM (`transformers`: any architecture, slower), or `auto`: ours where it
+    # implements the architecture, else transformers.
+    model_impl: Literal["auto", "native", "transformers"] = "auto"
     device: str = "cpu"  # cpu, cuda, cuda:N, or auto
     # The sampler's weights and the trainer's autocast; trainer weights stay float32.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -111,10 +121,15 @@ class LocalBackend:
                 f"rollout.max_tokens ({config.rollout.max_tokens}) leaves no room for a prompt in "
                 f"backend.max_seq_len ({opts.max_seq_len}): raise max_seq_len or lower max_tokens"
             )
+        impl, why = model_impl(opts)
+        runs = "native decoder" if impl == "native" else "transformers fallback"
+        log.info("local backend: %s runs on the %s: %s", opts.model_path or opts.model, runs, why)
+        if impl == "transformers":
+            _check_fallback(opts)
         if opts.rollout == "vllm":
             _check_vllm(config, opts)
         seed = config.seed if opts.seed is None else opts.seed
-        model, tokenizer, stop_ids = _build(opts, self.device, seed)
+        model, tokenizer, stop_ids = _build(opts, impl, self.device, seed)
         if opts.warm_start is not None:
             identity = {"preset": opts.model, "path": opts.model_path}
             warm_start(model, tokenizer, opts.warm_start, identity=identity, seed=seed)
@@ -129,15 +144,17 @@ class LocalBackend:
             threads=opts.threads,
             lora=opts.lora,
             seed=seed,
+            updates_per_batch=config.train.updates_per_batch,
         )
         # The learner's model, or in `process` mode this process's copy of its weights (adapters
         # merged), which each snapshot refreshes first.
-        self._model = model
+        self._model: Decoder = model
         self.version = 0
         self.vllm: VLLMEngine | None = None
         self._policy: LocalPolicy | VLLMPolicy
         if opts.rollout == "vllm":
             assert opts.model_path is not None  # _check_vllm
+            assert isinstance(model, Transformer)  # _check_fallback
             self.vllm = VLLMEngine(
                 opts.vllm,
                 checkpoint=checkpoint_dir(Path(opts.model_path).expanduser()),
@@ -151,7 +168,7 @@ class LocalBackend:
             )
             self._policy = self.vllm.policy
         else:
-            self.store = WeightStore(0, frozen_copy(model, self.device, self.dtype))
+            self.store = WeightStore(0, inference_copy(model, self.device, self.dtype))
             self.sampler = Sampler(
                 self.store,
                 tokenizer,
@@ -171,6 +188,7 @@ class LocalBackend:
         self.learner: Learner | LearnerProcess
         try:
             if opts.learner == "process":
+                assert isinstance(model, Transformer)  # _check_fallback
                 self.learner = LearnerProcess(spec, model)
             else:
                 self.learner = spec.build(model)
@@ -193,7 +211,7 @@ class LocalBackend:
     @staticmethod
     def export(config: Config, backend_dir: Path, out: Path) -> None:
         """Write the checkpoint saved in `backend_dir` as a Hugging Face model directory `out`."""
-        from rllm_async.backends.local.export import export_model
+        from rllm_async.backends.local.export import export_model, export_transformers_model
 
         opts = validate_options(LocalOptions, config.backend.options, "backend")
         file = backend_dir / CHECKPOINT_FILE
@@ -202,6 +220,12 @@ class LocalBackend:
                 f"{file} not found: is {backend_dir} a local-backend checkpoint?"
             )
         state = torch.load(file, map_location="cpu", weights_only=True)
+        if model_impl(opts)[0] == "transformers":
+            assert opts.model_path is not None  # model_impl: presets are native
+            export_transformers_model(
+                state["model"], out, model_path=opts.model_path, rollout=config.rollout
+            )
+            return
         if (opts.lora is not None) != ("lora" in state):
             raise ValueError(f"{file} and the run's backend.lora disagree on LoRA adapters")
         export_model(
@@ -225,6 +249,10 @@ class LocalBackend:
 
     async def optim_step(self) -> dict[str, float]:
         return await self._on_train_thread(self.learner.optim_step)
+
+    async def recompute_logprobs(self, groups: list[TrajectoryGroup]) -> None:
+        """Record the current policy's logprobs of `groups` as their old logprobs (no grad)."""
+        await self._on_train_thread(self.learner.record_old_logprobs, groups)
 
     async def on_policy_updated(self, version: int) -> None:
         """Publish the learner's weights as `version`: to the sampler, where pinned older versions
@@ -268,19 +296,22 @@ class LocalBackend:
             raise RuntimeError("the local backend is closed")
         return await asyncio.get_running_loop().run_in_executor(self._train, fn, *args)
 
-    def _current(self) -> Transformer:
+    def _current(self) -> Decoder:
         """A model holding the learner's current weights, LoRA adapters merged."""
         if isinstance(self.learner, LearnerProcess):
+            assert isinstance(self._model, Transformer)  # _check_fallback
             self.learner.copy_weights_to(self._model)
             return self._model
         return self.learner.merged_model()
 
-    def _snapshot(self) -> Transformer:
-        return frozen_copy(self._current(), self.device, self.dtype)
+    def _snapshot(self) -> Decoder:
+        return inference_copy(self._current(), self.device, self.dtype)
 
     def _write_for_vllm(self) -> Path:
         assert self.vllm is not None
-        return self.vllm.write(hf_state_dict(self._current()))
+        model = self._current()
+        assert isinstance(model, Transformer)  # _check_fallback
+        return self.vllm.write(hf_state_dict(model))
 
     def _save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
@@ -322,27 +353,81 @@ def _check_vllm(config: Config, opts: LocalOptions) -> None:
         )
 
 
+def _check_fallback(opts: LocalOptions) -> None:
+    """Refuse what the transformers fallback does not do, naming what to do instead."""
+    refused = {
+        "lora": "backend.lora adapts our decoder's fused layers",
+        "rollout": "backend.rollout: vllm syncs our decoder's weights into vLLM",
+        "learner": "backend.learner: process shares our decoder's weights by their layout",
+    }
+    defaults = LocalOptions()
+    for key, why in refused.items():
+        if getattr(opts, key) != getattr(defaults, key):
+            raise ConfigError(
+                f"{why}; the transformers fallback (model_impl: transformers, or auto for an "
+                f"architecture our decoder does not implement) does not support it: remove "
+                f"backend.{key}, or use the verl backend, which trains transformers' own models"
+            )
+
+
+def model_impl(opts: LocalOptions) -> tuple[Literal["native", "transformers"], str]:
+    """Which code runs the model, our decoder or transformers, and why (for the start-up log)."""
+    if opts.model_path is None:
+        if opts.model_impl == "transformers":
+            raise ConfigError(
+                "backend.model_impl: transformers needs a backend.model_path checkpoint; the "
+                f"built-in preset '{opts.model}' is our decoder: remove model_impl"
+            )
+        return "native", f"built-in preset '{opts.model}'"
+    if "model" in opts.model_fields_set:
+        raise ValueError("give either backend.model (a preset) or backend.model_path, not both")
+    path = checkpoint_dir(Path(opts.model_path).expanduser())
+    raw = read_config(path)
+    kind = raw.get("model_type")
+    if opts.model_impl == "transformers":
+        return "transformers", f"backend.model_impl: transformers ({kind})"
+    try:
+        model_config(raw, path)
+    except ValueError as e:
+        if opts.model_impl == "native":
+            raise ConfigError(
+                f"backend.model_impl: native, but our decoder cannot run it: {e}. Set "
+                "backend.model_impl: auto (or transformers) to run it through transformers' "
+                "AutoModelForCausalLM (slower), or use another checkpoint"
+            ) from e
+        return "transformers", f"our decoder does not implement it ({e})"
+    return "native", f"model_type '{kind}' is one our decoder implements"
+
+
 def _build(
-    opts: LocalOptions, device: torch.device, seed: int
-) -> tuple[Transformer, Tokenizer, tuple[int, ...]]:
-    """The trainable model, its tokenizer and the token ids that end a completion."""
+    opts: LocalOptions, impl: Literal["native", "transformers"], device: torch.device, seed: int
+) -> tuple[Decoder, Tokenizer, tuple[int, ...]]:
+    """The trainable model (our decoder's or transformers'), its tokenizer and the token ids that
+    end a completion."""
     if opts.model_path is None:
         tokenizer = CharTokenizer()
         model = build_model(preset_config(opts.model, tokenizer.vocab_size), seed).to(device)
         return model, tokenizer, tokenizer.eos_token_ids
-    if "model" in opts.model_fields_set:
-        raise ValueError("give either backend.model (a preset) or backend.model_path, not both")
-    from rllm_async.backends.local.hf import load_checkpoint
+    from rllm_async.backends.local.hf import load_chat_tokenizer, load_checkpoint
 
+    if impl == "transformers":
+        path = checkpoint_dir(Path(opts.model_path).expanduser())
+        limit = int(read_config(path).get("max_position_embeddings") or opts.max_seq_len)
+        _check_max_seq_len(opts, limit)
+        hf_tokenizer, stop_ids = load_chat_tokenizer(path)
+        return load_transformers_model(path, device), hf_tokenizer, stop_ids
     ckpt = load_checkpoint(Path(opts.model_path).expanduser())
-    limit = min(ckpt.max_positions, ckpt.sliding_window or ckpt.max_positions)
+    _check_max_seq_len(opts, min(ckpt.max_positions, ckpt.sliding_window or ckpt.max_positions))
+    model = load_model(ckpt.config, ckpt.state, device, torch.float32)
+    return model, ckpt.tokenizer, ckpt.stop_ids
+
+
+def _check_max_seq_len(opts: LocalOptions, limit: int) -> None:
     if opts.max_seq_len > limit:
         raise ValueError(
             f"backend.max_seq_len ({opts.max_seq_len}) exceeds what {opts.model_path} supports "
             f"({limit}): lower max_seq_len"
         )
-    model = load_model(ckpt.config, ckpt.state, device, torch.float32)
-    return model, ckpt.tokenizer, ckpt.stop_ids
 
 
 def _device(name: str) -> torch.device:

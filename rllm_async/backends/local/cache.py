@@ -45,6 +45,10 @@ class KVCache:
         self.k[:, :blocks, target] = self.k[:, :blocks, source]
         self.v[:, :blocks, target] = self.v[:, :blocks, source]
 
+    def view(self, slots: torch.Tensor, positions: torch.Tensor) -> CacheView:
+        """One forward pass: token j of row b goes to `positions[b, j]` of slot `slots[b]`."""
+        return CacheView(self, slots, positions)
+
 
 class CacheView:
     """One forward pass over the cache: token j of row b goes to `positions[b, j]` of `slots[b]`.

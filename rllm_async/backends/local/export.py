@@ -72,10 +72,7 @@ def export_model(
         _copy_tokenizer(source, out)
         gen_file = source / "generation_config.json"
         generation = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
-    # The sampling the policy was trained with, so that a default `generate` reproduces it.
-    temperature = rollout.temperature
-    generation.update(do_sample=temperature > 0, temperature=temperature, top_p=rollout.top_p)
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    _write_generation_config(generation, out, rollout)
     if adapters is not None:
         base = None if source is None or base_changed else str(source)
         if base is None:
@@ -88,6 +85,29 @@ def export_model(
                 rollout=rollout,
             )
         adapters.save_peft(out / "adapter", base)
+
+
+def export_transformers_model(
+    state: dict[str, torch.Tensor], out: Path, *, model_path: str, rollout: RolloutConfig
+) -> None:
+    """Write the transformers fallback's `state` (`TransformersModel` names: `hf.` and the Hugging
+    Face name) into the new directory `out`, with the source checkpoint's config and tokenizer."""
+    source = checkpoint_dir(Path(model_path).expanduser())
+    raw = json.loads((source / "config.json").read_text())
+    raw[_dtype_key(raw)] = "float32"
+    write_weights({name.removeprefix("hf."): w for name, w in state.items()}, out, config=raw)
+    _copy_tokenizer(source, out)
+    gen_file = source / "generation_config.json"
+    generation = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    _write_generation_config(generation, out, rollout)
+
+
+def _write_generation_config(generation: dict[str, Any], out: Path, rollout: RolloutConfig) -> None:
+    """`generation` plus the sampling the policy was trained with, so that a default `generate`
+    reproduces it."""
+    temperature = rollout.temperature
+    generation.update(do_sample=temperature > 0, temperature=temperature, top_p=rollout.top_p)
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
 
 
 def _llama_config(cfg: ModelConfig, max_seq_len: int) -> dict[str, Any]:

@@ -46,18 +46,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
     into a cache directory).
     """
     path = checkpoint_dir(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"backend.model_path {path} has no config.json: give a checkpoint directory"
-        )
-    raw = json.loads((path / "config.json").read_text())
+    raw = read_config(path)
     config = model_config(raw, path)
-    tokenizer = load_tokenizer(path, setting="backend.model_path", require_chat_template=True)
-    stop_ids = {tokenizer.eos_token_id}
-    gen_file = path / "generation_config.json"
-    if gen_file.is_file():
-        eos = json.loads(gen_file.read_text()).get("eos_token_id")
-        stop_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    tokenizer, stop_ids = load_chat_tokenizer(path)
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
     max_positions = int(raw.get("max_position_embeddings", 2048))
     if config.rope_scaling is not None and config.rope_scaling.kind == "yarn":
@@ -67,10 +58,32 @@ def load_checkpoint(path: Path) -> Checkpoint:
         config=config,
         state=_load_weights(path),
         tokenizer=tokenizer,
-        stop_ids=tuple(sorted(stop_ids)),
+        stop_ids=stop_ids,
         max_positions=max_positions,
         sliding_window=window,
     )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The config.json of a checkpoint directory."""
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"backend.model_path {path} has no config.json: give a checkpoint directory"
+        )
+    raw: dict[str, Any] = json.loads((path / "config.json").read_text())
+    return raw
+
+
+def load_chat_tokenizer(path: Path) -> tuple[HFTokenizer, tuple[int, ...]]:
+    """A checkpoint's tokenizer (which must have a chat template) and the token ids that end a
+    completion: its EOS and those of `generation_config.json`."""
+    tokenizer = load_tokenizer(path, setting="backend.model_path", require_chat_template=True)
+    stop_ids = {tokenizer.eos_token_id}
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        stop_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return tokenizer, tuple(sorted(stop_ids))
 
 
 def model_config(raw: dict[str, Any], path: Path) -> ModelConfig:
@@ -79,7 +92,7 @@ def model_config(raw: dict[str, Any], path: Path) -> ModelConfig:
     if kind not in SUPPORTED:
         raise ValueError(
             f"{path}: model_type '{kind}' is not supported by the local backend "
-            f"(supported: {', '.join(SUPPORTED)}); use another backend for it"
+            f"(supported: {', '.join(SUPPORTED)})"
         )
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     for key in ("attention_bias", "mlp_bias"):

@@ -4,6 +4,11 @@
 accumulated gradient by the step's total loss-token count, so the update is the token mean over the
 whole step however the groups were split into micro-batches. Sequences that share a prompt are
 packed into one row (`packing.py`), so a group's prompt is run once, not once per sample.
+
+With `behaviour_logprobs: recomputed`, a batch's old logprobs are the learner's own before the
+batch's first optimizer step: the first pass at that step takes them from its own forward pass
+(the ratio is exactly 1), `record_old_logprobs` from a no-grad one for sequences trained only after
+that step; every later pass over the batch reads them back.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from rllm_async.algorithms.schedule import learning_rate
 from rllm_async.backends.local.lora import LoRA
 from rllm_async.backends.local.model import Transformer
 from rllm_async.backends.local.packing import PackedBatch, pack
+from rllm_async.backends.local.transformers_model import Decoder
 from rllm_async.config import LossConfig, OptimConfig
 from rllm_async.types import TokenSequence, TrajectoryGroup
 
@@ -36,15 +42,16 @@ class Learner:
 
     def __init__(
         self,
-        model: Transformer,
+        model: Decoder,
         optim: OptimConfig,
         *,
         total_steps: int,
         temperature: float,
         train_batch: int,
         compute_dtype: torch.dtype,
-        ref_model: Transformer | None = None,
+        ref_model: Decoder | None = None,
         lora: LoRA | None = None,
+        updates_per_batch: int = 1,
     ) -> None:
         self.model = model
         self.ref_model = ref_model
@@ -62,6 +69,10 @@ class Learner:
         self._device = next(model.parameters()).device
         self._step_tokens = 0.0
         self._pending_calls = 0
+        self.updates_per_batch = updates_per_batch
+        # Old logprobs of the current batch's sequences (by their tokens), and that batch's index.
+        self._old: dict[tuple[int, ...], torch.Tensor] = {}
+        self._old_batch = -1
 
     @property
     def has_pending_gradients(self) -> bool:
@@ -81,6 +92,23 @@ class Learner:
         self._step_tokens += stats.tokens
         self._pending_calls += 1
         return stats.metrics()
+
+    def record_old_logprobs(self, groups: list[TrajectoryGroup]) -> None:
+        """Keep the current policy's logprobs of `groups` as their old logprobs: for sequences
+        of this batch that are first trained after its first optimizer step."""
+        self._check_batch_start("record_old_logprobs")
+        seqs = [seq for g in groups for seq, _ in g.training_sequences()]
+        for start in range(0, len(seqs), self.train_batch):
+            chunk = seqs[start : start + self.train_batch]
+            packed = pack(
+                [s.tokens for s in chunk],
+                [s.loss_mask.index(1) for s in chunk],
+                share_prompts=self.model.shares_prompts,
+            )
+            with torch.no_grad(), self._autocast():
+                logprobs = self._logprobs(self.model, packed.to(self._device), len(chunk))
+            for seq, row in zip(chunk, logprobs, strict=True):
+                self._old.setdefault(tuple(seq.tokens), row[: len(seq.tokens) - 1].clone())
 
     def optim_step(self) -> dict[str, float]:
         """Apply the step's accumulated gradient (token mean), clip it, and advance the schedule."""
@@ -105,10 +133,11 @@ class Learner:
         self._pending_calls = 0
         return metrics
 
-    def merged_model(self) -> Transformer:
+    def merged_model(self) -> Decoder:
         """The model to sample with: the trained model itself, or a copy with the adapters merged."""
         if self.lora is None:
             return self.model
+        assert isinstance(self.model, Transformer)  # LoRA adapts our decoder only
         return self.lora.merged_copy(self.model)
 
     def state_dict(self) -> dict[str, Any]:
@@ -143,10 +172,16 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         self._step_tokens = 0.0
         self._pending_calls = 0
+        self._old.clear()
+        self._old_batch = -1
 
     def _backward(self, rows: list[_Row], loss: LossConfig) -> LossStats:
         seqs = [r.sequence for r in rows]
-        packed = pack([s.tokens for s in seqs], [s.loss_mask.index(1) for s in seqs])
+        packed = pack(
+            [s.tokens for s in seqs],
+            [s.loss_mask.index(1) for s in seqs],
+            share_prompts=self.model.shares_prompts,
+        )
         packed = packed.to(self._device)
         mask, sampler_lp, adv = self._batch(rows, packed.width)
         with self._autocast():
@@ -155,12 +190,50 @@ class Learner:
             if self.ref_model is not None and loss.kl_coef > 0:
                 with torch.no_grad():
                     ref = self._logprobs(self.ref_model, packed, len(rows))
-        out = policy_loss(logprobs, sampler_lp, adv, mask, loss, ref_logprobs=ref)
+        old = None
+        if loss.behaviour_logprobs == "recomputed":
+            old = self._old_logprobs(seqs, logprobs.detach())
+        out = policy_loss(logprobs, sampler_lp, adv, mask, loss, ref_logprobs=ref, old_logprobs=old)
         if out.stats.tokens > 0:
             out.loss_sum.backward()
         return out.stats
 
-    def _logprobs(self, model: Transformer, packed: PackedBatch, n_rows: int) -> torch.Tensor:
+    def _check_batch_start(self, what: str) -> None:
+        """Start a new batch's old logprobs when the step is a batch's first; refuse to record
+        them at any other step, where the policy is no longer the batch's old one."""
+        batch, offset = divmod(self.step, self.updates_per_batch)
+        if batch != self._old_batch:
+            self._old.clear()
+            self._old_batch = batch
+        if offset:
+            raise RuntimeError(
+                f"{what}: old logprobs are recorded before a batch's first optimizer step, but "
+                f"this is step {offset} of the batch's {self.updates_per_batch}: every sequence of "
+                "a batch must be trained or recorded before its first optim_step"
+            )
+
+    def _old_logprobs(self, seqs: list[TokenSequence], current: torch.Tensor) -> torch.Tensor:
+        """The old logprobs of `seqs` in `current`'s layout: at a batch's first step, the current
+        ones (recorded for the later passes); after it, the recorded ones."""
+        if self.step % self.updates_per_batch == 0:
+            self._check_batch_start("forward_backward")
+            if self.updates_per_batch > 1:  # a later pass will read them
+                for seq, row in zip(seqs, current, strict=True):
+                    self._old.setdefault(tuple(seq.tokens), row[: len(seq.tokens) - 1].clone())
+            return current
+        old = torch.zeros_like(current)
+        for i, seq in enumerate(seqs):
+            row = self._old.get(tuple(seq.tokens))
+            if row is None or self.step // self.updates_per_batch != self._old_batch:
+                raise RuntimeError(
+                    "forward_backward: a sequence has no old logprobs in this batch: with "
+                    "algorithm.loss.behaviour_logprobs: recomputed, every sequence of a batch is "
+                    "trained or passed to record_old_logprobs before its first optim_step"
+                )
+            old[i, : row.numel()] = row
+        return old
+
+    def _logprobs(self, model: Decoder, packed: PackedBatch, n_rows: int) -> torch.Tensor:
         """Logprobs of every predicted token, in the unpacked [rows, width] next-token layout."""
         hidden = model.hidden(packed.inputs, packed).flatten(0, 1)[packed.index]
         logits = model.lm_head(hidden).float() / self.temperature

@@ -29,10 +29,10 @@ from rllm_async.backends.local.lora import LoRA, LoRAOptions
 from rllm_async.backends.local.model import (
     ModelConfig,
     Transformer,
-    frozen_copy,
     hf_weights,
     load_model,
 )
+from rllm_async.backends.local.transformers_model import Decoder, inference_copy
 from rllm_async.config import LossConfig, OptimConfig
 from rllm_async.types import TrajectoryGroup
 
@@ -54,13 +54,19 @@ class LearnerSpec:
     threads: int
     lora: LoRAOptions | None = None  # train adapters on the frozen model instead of the model
     seed: int = 0  # the adapters' initialisation
+    updates_per_batch: int = 1  # optimizer steps per batch, for recomputed old logprobs
 
-    def build(self, model: Transformer) -> Learner:
+    def build(self, model: Decoder) -> Learner:
         """The learner, training `model` itself or, with `lora`, adapters on it."""
         ref = (
-            frozen_copy(model, torch.device(self.device), torch.float32) if self.with_ref else None
+            inference_copy(model, torch.device(self.device), torch.float32)
+            if self.with_ref
+            else None
         )
-        lora = None if self.lora is None else LoRA(model, self.lora, self.seed)
+        lora = None
+        if self.lora is not None:
+            assert isinstance(model, Transformer)  # the backend refuses LoRA on the fallback
+            lora = LoRA(model, self.lora, self.seed)
         return Learner(
             model,
             self.optim,
@@ -70,10 +76,13 @@ class LearnerSpec:
             compute_dtype=self.compute_dtype,
             ref_model=ref,
             lora=lora,
+            updates_per_batch=self.updates_per_batch,
         )
 
 
-def _parts(buffer: torch.Tensor, model: Transformer) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _parts(
+    buffer: torch.Tensor, model: torch.nn.Module
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Each parameter of `model` with its slice of the flat `buffer`, shaped like it."""
     offset = 0
     for p in model.parameters():
@@ -81,7 +90,7 @@ def _parts(buffer: torch.Tensor, model: Transformer) -> Iterator[tuple[torch.Ten
         offset += p.numel()
 
 
-def _layout(model: Transformer) -> list[tuple[str, tuple[int, ...]]]:
+def _layout(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
@@ -90,6 +99,7 @@ def _layout(model: Transformer) -> list[tuple[str, tuple[int, ...]]]:
 _CALLS: dict[str, Callable[..., Any]] = {
     "forward_backward": Learner.forward_backward,
     "optim_step": Learner.optim_step,
+    "record_old_logprobs": Learner.record_old_logprobs,
     "state_dict": Learner.state_dict,
     "load_state_dict": Learner.load_state_dict,
 }
@@ -139,6 +149,9 @@ class LearnerProcess:
 
     def optim_step(self) -> dict[str, float]:
         return self._call("optim_step")
+
+    def record_old_logprobs(self, groups: list[TrajectoryGroup]) -> None:
+        self._call("record_old_logprobs", groups)
 
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")

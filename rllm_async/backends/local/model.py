@@ -10,7 +10,7 @@ Hugging Face does (the fused ones as slices), so checkpoints of that family load
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -165,6 +165,8 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """The decoder: token ids [B, T] -> next-token logits [B, T, vocab]."""
+
+    shares_prompts: ClassVar[bool] = True  # the learner may pack a group's prompt once per row
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -40,10 +40,20 @@ class PackedBatch:
     targets: torch.Tensor  # [N]
     dest: torch.Tensor  # [N]
     width: int
+    one_per_row: bool = False  # each row one sequence from its position 0 (no shared prompts)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention view protocol (see model.py): each row's columns under `mask`."""
         return attention(q, k, v, self.mask)
+
+    def rows(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequence view protocol (see transformers_model.py): rows of one sequence each,
+        right-padded, whose columns are their positions."""
+        if not self.one_per_row:
+            raise ValueError(
+                "a row of shared prompts is no single sequence: pack(share_prompts=False)"
+            )
+        return tokens, self.positions
 
     def to(self, device: torch.device) -> PackedBatch:
         return PackedBatch(
@@ -54,13 +64,17 @@ class PackedBatch:
             self.targets.to(device),
             self.dest.to(device),
             self.width,
+            self.one_per_row,
         )
 
 
-def pack(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> PackedBatch:
+def pack(
+    sequences: Sequence[Sequence[int]], starts: Sequence[int], *, share_prompts: bool = True
+) -> PackedBatch:
     """Pack `sequences` whose first trained token is at `starts[i]` (so tokens before it are the
     prompt). Sequences with the same prompt share a row while it stays within twice the longest
-    sequence, which bounds the cost of attending across a long row; repeats share columns."""
+    sequence, which bounds the cost of attending across a long row; repeats share columns.
+    Without `share_prompts`, each distinct sequence has a row of its own."""
     width = max(len(s) for s in sequences) - 1
     cap = 2 * width
     rows: list[tuple[list[int], list[int]]] = []  # (prompt tokens, member sequence indices)
@@ -73,7 +87,7 @@ def pack(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> PackedBat
         if source[i] != i:
             continue
         key = tuple(seq[:start])
-        r = by_prompt.get(key)
+        r = by_prompt.get(key) if share_prompts else None
         if r is None or _row_len(rows[r], sequences) + len(seq) - 1 - start > cap:
             by_prompt[key] = r = len(rows)
             rows.append((list(key), []))
@@ -119,6 +133,7 @@ def pack(sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> PackedBat
         torch.tensor(targets),
         torch.tensor(dest),
         width,
+        not share_prompts,
     )
 
 

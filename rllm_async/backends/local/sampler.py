@@ -17,13 +17,14 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
-from rllm_async.backends.local.cache import CacheView, KVCache
-from rllm_async.backends.local.model import Transformer
+from rllm_async.backends.local.cache import KVCache
 from rllm_async.backends.local.snapshots import WeightStore
+from rllm_async.backends.local.transformers_model import Decoder, TokenCache, TransformersModel
 
 
 @dataclass(eq=False)
@@ -31,7 +32,7 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     max_new: int
-    pinned: tuple[int, Transformer] | None  # a version and its weights; None: newest each step
+    pinned: tuple[int, Decoder] | None  # a version and its weights; None: newest each step
     rng: random.Random  # this request's own stream: its samples do not depend on its batch-mates
     # Resolved on its caller's loop (`_deliver`). The decode thread only asks `cancelled()`, one
     # read of its state: a cancel it misses is seen at the next step.
@@ -70,7 +71,7 @@ class Sampler:
         threads: int,
         seed: int,
     ) -> None:
-        cfg = store.get(None)[1].cfg
+        model = store.get(None)[1]
         self.store = store
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
@@ -78,15 +79,20 @@ class Sampler:
         self._device = device
         self._threads = threads
         self._seeds = random.Random(seed)
-        self._cache = KVCache(
-            n_layers=cfg.n_layers,
-            max_batch=max_batch,
-            n_kv_heads=cfg.kv_heads,
-            max_seq_len=max_seq_len,
-            head_dim=cfg.hdim,
-            device=device,
-            dtype=dtype,
-        )
+        # Keys and values for our decoder; a transformers model reruns each slot's token ids.
+        self._cache: KVCache | TokenCache
+        if isinstance(model, TransformersModel):
+            self._cache = TokenCache(max_batch, max_seq_len, device)
+        else:
+            self._cache = KVCache(
+                n_layers=model.cfg.n_layers,
+                max_batch=max_batch,
+                n_kv_heads=model.cfg.kv_heads,
+                max_seq_len=max_seq_len,
+                head_dim=model.cfg.hdim,
+                device=device,
+                dtype=dtype,
+            )
         self._free = list(range(max_batch))
         self.peak_batch = 0  # most requests decoded in one step, for tests and benchmarks
         # Queued requests by (priority, arrival): lower priority first, then first come.
@@ -206,7 +212,7 @@ class Sampler:
 
     def _forward(
         self,
-        model: Transformer,
+        model: Decoder,
         group: list[_Request],
         tokens: torch.Tensor,
         positions: torch.Tensor,
@@ -215,16 +221,14 @@ class Sampler:
     ) -> torch.Tensor:
         """Run `tokens` through the cache slots of `group`; logits [B, vocab] at column `last[b]`."""
         slots = torch.tensor([r.slot for r in group], device=self._device)
-        view = CacheView(self._cache, slots, positions.to(self._device))
+        view: Any = self._cache.view(slots, positions.to(self._device))
         hidden = model.hidden(tokens.to(self._device), view)
         rows = torch.arange(len(group), device=self._device)
         return model.lm_head(hidden[rows, last.to(self._device)]).float().cpu()
 
-    def _by_weights(
-        self, requests: list[_Request]
-    ) -> list[tuple[int, Transformer, list[_Request]]]:
+    def _by_weights(self, requests: list[_Request]) -> list[tuple[int, Decoder, list[_Request]]]:
         """Split requests by the weights they decode with this step."""
-        groups: dict[int, tuple[Transformer, list[_Request]]] = {}
+        groups: dict[int, tuple[Decoder, list[_Request]]] = {}
         for r in requests:
             version, model = r.pinned if r.pinned is not None else self.store.get(None)
             groups.setdefault(version, (model, []))[1].append(r)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-from rllm_async.backends.local.model import Transformer
+from rllm_async.backends.local.transformers_model import Decoder
 
 
 class WeightStore:
@@ -15,9 +15,9 @@ class WeightStore:
     few versions still pinned by running episodes stay in memory.
     """
 
-    def __init__(self, version: int, model: Transformer) -> None:
+    def __init__(self, version: int, model: Decoder) -> None:
         self._lock = threading.Lock()
-        self._models: dict[int, Transformer] = {version: model}
+        self._models: dict[int, Decoder] = {version: model}
         self._refs: Counter[int] = Counter()
         self._latest = version
 
@@ -30,7 +30,7 @@ class WeightStore:
         with self._lock:
             return sorted(self._models)
 
-    def publish(self, version: int, model: Transformer) -> None:
+    def publish(self, version: int, model: Decoder) -> None:
         """Make `model` the newest weights, tagged `version`."""
         with self._lock:
             old, self._latest = self._latest, version
@@ -51,7 +51,7 @@ class WeightStore:
             self._refs[version] -= 1
             self._drop_if_unused(version)
 
-    def get(self, version: int | None) -> tuple[int, Transformer]:
+    def get(self, version: int | None) -> tuple[int, Decoder]:
         """The weights of `version` (None: the newest) and their version."""
         with self._lock:
             v = self._latest if version is None else version

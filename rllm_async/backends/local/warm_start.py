@@ -18,7 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rllm_async.backends.base import Tokenizer
-from rllm_async.backends.local.model import Transformer
+from rllm_async.backends.local.transformers_model import Decoder
 from rllm_async.imports import import_object
 
 
@@ -36,7 +36,7 @@ class WarmStartOptions(BaseModel):
 
 
 def warm_start(
-    model: Transformer,
+    model: Decoder,
     tokenizer: Tokenizer,
     opts: WarmStartOptions,
     *,
@@ -88,7 +88,7 @@ def _tokens(tokenizer: Tokenizer, example: dict[str, Any]) -> tuple[list[int], i
 
 
 def _fit(
-    model: Transformer, sequences: list[tuple[list[int], int]], opts: WarmStartOptions, seed: int
+    model: Decoder, sequences: list[tuple[list[int], int]], opts: WarmStartOptions, seed: int
 ) -> None:
     """Token-mean cross-entropy on the replies, AdamW with a short warmup and a constant rate."""
     from tqdm.auto import tqdm

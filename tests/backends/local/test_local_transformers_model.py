@@ -1,0 +1,345 @@
+"""The transformers fallback of the local backend: tiny random Gemma 2, Phi-3 and mixture-of-experts
+checkpoints (real transformers configs, saved locally) sample with exact logprobs, train, resume
+and export like our own decoder's models; the start-up log names the path that runs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from rllm_async import SingleTurnWorkflow, UnifiedTrainer  # noqa: E402
+from rllm_async.backends.base import SamplingParams  # noqa: E402
+from rllm_async.backends.local import LocalBackend  # noqa: E402
+from rllm_async.backends.local.model import Transformer  # noqa: E402
+from rllm_async.backends.local.transformers_model import TransformersModel  # noqa: E402
+from rllm_async.config import Config, ConfigError, config_from_dict  # noqa: E402
+from rllm_async.types import Step, Trajectory, TrajectoryGroup  # noqa: E402
+from tests.backends.local.test_local_hf import save_tokenizer  # noqa: E402
+
+SHAPE = dict(
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
+    # A sliding window shorter than the completions, and soft-capped logits.
+    "gemma2": ("Gemma2Config", {"head_dim": 8, "sliding_window": 8}),
+    "phi3": ("Phi3Config", {}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+        },
+    ),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "llama": ("LlamaConfig", {}),  # one our decoder implements
+}
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny random checkpoint per family, with a character tokenizer and a chat template."""
+    paths = {}
+    for family, (config_class, extra) in FAMILIES.items():
+        path = tmp_path_factory.mktemp(family)
+        config = getattr(transformers, config_class)(
+            vocab_size=save_tokenizer(path), **SHAPE, **extra
+        )
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+        paths[family] = path
+    return paths
+
+
+def make_config(path: Path, backend: dict[str, Any] | None = None, **sections: Any) -> Config:
+    return config_from_dict(
+        {
+            "backend": {
+                "name": "local",
+                "model_path": str(path),
+                "max_seq_len": 64,
+                **(backend or {}),
+            },
+            "rollout": {"max_tokens": 16, "temperature": TEMPERATURE},
+            "optim": {"lr": 0.01},
+            "train": {"total_steps": 10, "groups_per_step": 2, "micro_batch_groups": 1},
+            **sections,
+        }
+    )
+
+
+def transformers_logprobs(path: Path, prompt: list[int], completion: list[int]) -> list[float]:
+    """The completion's logprobs under transformers' own full forward pass of the checkpoint."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).float().eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
+    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(completion)]
+
+
+async def sample_group(backend: LocalBackend, text: str, n: int = 3) -> TrajectoryGroup:
+    """`n` concurrent samples of one prompt (one prefill, copied into each slot)."""
+    policy = backend.policy()
+    prompt = policy.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    params = [SamplingParams(temperature=TEMPERATURE, max_tokens=12, seed=i) for i in range(n)]
+    outs = await asyncio.gather(*(policy.generate(prompt, p) for p in params))
+    trajs = [
+        Trajectory(steps=[Step(prompt, o.ids, o.logprobs, o.versions)], reward=float(i == 0))
+        for i, o in enumerate(outs)
+    ]
+    mean = sum(t.reward for t in trajs) / n
+    return TrajectoryGroup(text, "default", trajs, [t.reward - mean for t in trajs])
+
+
+def params(backend: LocalBackend) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in backend.learner.model.parameters()])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen2_moe", "mixtral"])
+def test_sampler_logprobs_equal_a_full_forward_pass_of_transformers(
+    checkpoints: dict[str, Path], family: str
+) -> None:
+    path = checkpoints[family]
+
+    async def main() -> None:
+        backend = LocalBackend.from_config(make_config(path))
+        assert isinstance(backend.learner.model, TransformersModel)
+        group = await sample_group(backend, "hello there")
+        policy = backend.policy()
+        again = await policy.generate(
+            group.trajectories[1].steps[0].prompt_ids,
+            SamplingParams(temperature=TEMPERATURE, max_tokens=12, seed=1),
+        )
+        stopped = await policy.generate(
+            group.trajectories[0].steps[0].prompt_ids,
+            SamplingParams(temperature=TEMPERATURE, max_tokens=12, seed=0, stop=("e",)),
+        )
+        await backend.close()
+        for traj in group.trajectories:
+            step = traj.steps[0]
+            assert 1 <= len(step.completion_ids) <= 12
+            assert len(step.completion_ids) == 12 or step.completion_ids[-1] == 2  # EOS stops
+            expected = transformers_logprobs(path, step.prompt_ids, step.completion_ids)
+            assert step.logprobs == pytest.approx(expected, abs=1e-4)
+        assert again.ids == group.trajectories[1].steps[0].completion_ids  # seeded
+        first = group.trajectories[0].steps[0].completion_ids
+        text = policy.tokenizer.decode(first)
+        if "e" in text:  # a stop string ends the completion where it appears
+            assert policy.tokenizer.decode(stopped.ids).endswith("e")
+            assert len(stopped.ids) <= len(first)
+        else:
+            assert stopped.ids == first
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen2_moe"])
+def test_a_step_trains_on_policy_and_the_sampler_gets_the_new_weights(
+    checkpoints: dict[str, Path], family: str
+) -> None:
+    cfg = make_config(checkpoints[family], algorithm={"loss": {"kl_coef": 0.05}})
+
+    async def main() -> None:
+        backend = LocalBackend.from_config(cfg)
+        groups = [await sample_group(backend, "ab"), await sample_group(backend, "abcd")]
+        before = params(backend)
+        metrics = await backend.forward_backward(groups, cfg.algorithm.loss)
+        assert metrics["loss/sampler_kl"] < 1e-8  # the trainer's logprobs are the sampler's
+        assert metrics["loss/kl_ref"] == pytest.approx(0.0, abs=1e-8)  # still the reference weights
+        await backend.optim_step()
+        assert not torch.allclose(params(backend), before)
+        await backend.on_policy_updated(1)
+        group = await sample_group(backend, "ab")
+        assert all(
+            t.steps[0].versions == [1] * len(t.steps[0].versions) for t in group.trajectories
+        )
+        # New samples are on-policy for the updated weights; the reference stayed behind.
+        metrics = await backend.forward_backward([group], cfg.algorithm.loss)
+        assert metrics["loss/sampler_kl"] < 1e-8
+        assert metrics["loss/kl_ref"] > 0
+        await backend.close()
+
+    asyncio.run(main())
+
+
+def test_micro_batches_give_the_same_update_as_one_batch(checkpoints: dict[str, Path]) -> None:
+    cfg = make_config(checkpoints["phi3"])
+
+    async def main() -> None:
+        split, whole = LocalBackend.from_config(cfg), LocalBackend.from_config(cfg)
+        groups = [await sample_group(split, "ab"), await sample_group(split, "abcdef")]
+        for g in groups:
+            await split.forward_backward([g], cfg.algorithm.loss)
+        await whole.forward_backward(groups, cfg.algorithm.loss)
+        s, w = await split.optim_step(), await whole.optim_step()
+        assert s["optim/num_tokens"] == w["optim/num_tokens"]
+        assert s["optim/grad_norm"] == pytest.approx(w["optim/grad_norm"], rel=1e-5)
+        # Rows padded to other widths: float noise of about 1e-6 in the AdamW step.
+        assert torch.allclose(params(split), params(whole), atol=1e-5)
+        for b in (split, whole):
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_resume_gives_the_same_next_step(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    cfg = make_config(checkpoints["phi3"])
+
+    async def main() -> None:
+        first = LocalBackend.from_config(cfg)
+        groups = [await sample_group(first, "ab")]
+        for version in (1, 2):
+            await first.forward_backward(groups, cfg.algorithm.loss)
+            await first.optim_step()
+            await first.on_policy_updated(version)
+        await first.save(tmp_path / "ckpt")
+        await first.forward_backward(groups, cfg.algorithm.loss)
+        expected = await first.optim_step()
+
+        resumed = LocalBackend.from_config(cfg)
+        await resumed.load(tmp_path / "ckpt")
+        assert resumed.policy().acquire() == 2
+        await resumed.forward_backward(groups, cfg.algorithm.loss)
+        got = await resumed.optim_step()
+        assert got["optim/lr"] == expected["optim/lr"]
+        assert torch.allclose(params(resumed), params(first), atol=1e-7)
+        for b in (first, resumed):
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_export_is_a_checkpoint_transformers_loads(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    cfg = make_config(checkpoints["gemma2"])
+
+    async def main() -> LocalBackend:
+        backend = LocalBackend.from_config(cfg)
+        await backend.forward_backward([await sample_group(backend, "ab")], cfg.algorithm.loss)
+        await backend.optim_step()
+        await backend.save(tmp_path / "ckpt")
+        await backend.close()
+        return backend
+
+    backend = asyncio.run(main())
+    LocalBackend.export(cfg, tmp_path / "ckpt", tmp_path / "out")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    ids = torch.randint(3, 98, (2, 20))
+    with torch.no_grad():
+        assert torch.allclose(exported(ids).logits, backend.learner.model(ids), atol=1e-5)
+    assert (tmp_path / "out" / "tokenizer_config.json").is_file()
+
+
+def test_the_start_up_log_names_the_path_and_why(
+    checkpoints: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="rllm_async.backends.local.backend")
+    for family, backend_opts, expected in [
+        ("gemma2", {}, TransformersModel),
+        ("llama", {}, Transformer),
+        ("llama", {"model_impl": "transformers"}, TransformersModel),
+    ]:
+        caplog.clear()
+        backend = LocalBackend.from_config(make_config(checkpoints[family], backend_opts))
+        assert isinstance(backend.learner.model, expected)
+        asyncio.run(backend.close())
+        (line,) = [r.getMessage() for r in caplog.records]
+        if expected is Transformer:
+            assert "native decoder: model_type 'llama' is one our decoder implements" in line
+        elif family == "gemma2":
+            assert "transformers fallback" in line and "model_type 'gemma2'" in line
+        else:
+            assert "transformers fallback" in line and "backend.model_impl: transformers" in line
+
+
+def test_forced_transformers_samples_what_our_decoder_samples(
+    checkpoints: dict[str, Path],
+) -> None:
+    async def sample(impl: str) -> TrajectoryGroup:
+        backend = LocalBackend.from_config(make_config(checkpoints["llama"], {"model_impl": impl}))
+        group = await sample_group(backend, "hello")
+        await backend.close()
+        return group
+
+    native, fallback = asyncio.run(sample("native")), asyncio.run(sample("transformers"))
+    for a, b in zip(native.trajectories, fallback.trajectories, strict=True):
+        assert a.steps[0].completion_ids == b.steps[0].completion_ids
+        assert a.steps[0].logprobs == pytest.approx(b.steps[0].logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("family", "backend", "match"),
+    [
+        ("gemma2", {"model_impl": "native"}, "model_type 'gemma2'.*model_impl: auto"),
+        ("gemma2", {"lora": {"rank": 4}}, "backend.lora.*transformers fallback"),
+        ("mixtral", {"learner": "process"}, "backend.learner: process.*transformers fallback"),
+        ("phi3", {"rollout": "vllm"}, "rollout: vllm.*transformers fallback"),
+        ("llama", {"model_impl": "transformers", "lora": {"rank": 4}}, "backend.lora"),
+        (None, {"model_impl": "transformers"}, "needs a backend.model_path"),
+    ],
+)
+def test_refuses_what_the_path_cannot_do(
+    checkpoints: dict[str, Path], family: str | None, backend: dict[str, Any], match: str
+) -> None:
+    if family is None:
+        cfg = config_from_dict({"backend": {"name": "local", **backend}})
+    else:
+        cfg = make_config(checkpoints[family], backend)
+    with pytest.raises(ConfigError, match=match):
+        LocalBackend.from_config(cfg)
+
+
+def digit_fraction(task: dict[str, Any], text: str) -> float:
+    """The share of digits among the reply's first 8 characters."""
+    head = text[:8]
+    return sum(ch.isdigit() for ch in head) / 8 if head else 0.0
+
+
+def test_grpo_raises_a_trivial_reward(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    config = config_from_dict(
+        {
+            "name": "fallback",
+            "run_dir": str(tmp_path),
+            "seed": 0,
+            "backend": {
+                "name": "local",
+                "model_path": str(checkpoints["qwen2_moe"]),
+                "max_batch": 64,
+                "max_seq_len": 40,
+            },
+            "rollout": {"group_size": 8, "max_tokens": 8, "temperature": 1.0},
+            "coordinator": {"pipeline_depth": 1, "max_staleness": 1},
+            "train": {"total_steps": 20, "groups_per_step": 4, "micro_batch_groups": 4},
+            "optim": {"lr": 1e-2},
+            "algorithm": {"filter_zero_variance": True},
+            "checkpoint": {"resume": "never", "at_end": False},
+            "logging": {"progress_bar": False},
+        }
+    )
+    trainer = UnifiedTrainer(
+        config,
+        workflow=SingleTurnWorkflow(reward_fn=digit_fraction),
+        train_tasks=[{"id": str(i), "prompt": f"n={i}"} for i in range(100)],
+    )
+    records = trainer.run()
+    rewards = [r["rollout/reward/mean"] for r in records if "rollout/reward/mean" in r]
+    start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert end > start + 0.3, (start, end)
