@@ -88,17 +88,24 @@ def test_rewarded_episodes_are_trained_expired_and_refused_ones_are_not(tmp_path
         # Version 0: four episodes in two groups, and one that will never be rewarded.
         add = [await client.episode("add") for _ in range(2)]
         sub = [await client.episode("sub") for _ in range(2)]
-        forgotten = await client.episode("add", ttl_s=0.5)
+        forgotten = await client.episode("add", ttl_s=2.0)
         for sid, value in ((add[0]["id"], 0.25), (add[1]["id"], 1.0)):
             assert (await client.reward(sid, {"reward": value})).status_code == 200
         await until(lambda: len(records) == 1, "the first step")
         first = records[0]
         assert first["policy_version"] == 1 and first["train/groups"] == 1
+        assert first["groups/consumed"] == 1 and first["groups/dropped_stale"] == 0
         assert first["reward/mean"] == 0.625  # exactly the two rewarded episodes
         assert first["tokens/generated"] == sum(completion_tokens(r) for r in add)
         assert first["staleness/max"] == 0
 
-        await asyncio.sleep(1.6)  # the unrewarded session's TTL passes, the sweeper closes it
+        async def expired() -> bool:  # the unrewarded session's TTL passes, the sweeper closes it
+            answer = await client.http.get(f"/sessions/{forgotten['id']}")
+            return answer.status_code == 404 and answer.json()["error"]["code"] == "session_expired"
+
+        async with asyncio.timeout(60):
+            while not await expired():
+                await asyncio.sleep(0.1)
         pending = workflow.groups.pending  # type: ignore[attr-defined]
         refusals = [
             (add[0]["id"], {"reward": 2.0}, 409, "session_rewarded"),  # already rewarded

@@ -8,7 +8,7 @@ from typing import Any
 
 from rllm_async.backends.base import SamplingParams
 from rllm_async.rollout import RolloutContext
-from tests.gateway.test_gateway import KEY, openai, serving
+from tests.gateway.test_gateway import KEY, open_session, openai, serving
 from tests.scripted import ScriptedPolicy
 
 
@@ -81,5 +81,31 @@ def test_calls_outside_a_session_wait_for_the_sessions_pause() -> None:
             r, t = await asyncio.wait_for(asyncio.gather(call, text), 30)
         assert r.system_fingerprint == "policy-v1" and t.choices[0].text == "ok"
         assert ctx.trajectory().steps == []  # served, not recorded in the session
+
+    asyncio.run(go())
+
+
+def test_sessions_opened_over_http_wait_for_the_pause_they_follow() -> None:
+    policy = ScriptedPolicy(lambda prompt: "ok")
+
+    async def go() -> None:
+        unpaused = asyncio.Event()  # an online trainer's weight sync
+        async with serving(policy) as gateway:
+            opened = await open_session(gateway)
+            client = openai.AsyncOpenAI(base_url=opened[1], api_key=KEY)
+            messages: Any = [{"role": "user", "content": "q"}]
+            await client.chat.completions.create(model="policy", messages=messages)
+            gateway.follow_pause(unpaused.wait)
+            call = asyncio.create_task(
+                client.chat.completions.create(model="policy", messages=messages)
+            )
+            await asyncio.sleep(0.3)
+            assert not call.done() and len(policy.calls) == 1
+            policy.version = 1
+            unpaused.set()
+            r = await asyncio.wait_for(call, 30)
+            steps = gateway.sessions.get(opened[0]).ctx.trajectory().steps
+        assert r.system_fingerprint == "policy-v1"
+        assert [set(s.versions) for s in steps] == [{0}, {1}]
 
     asyncio.run(go())
