@@ -132,3 +132,46 @@ def test_kl_penalty_to_reference() -> None:
     k3 = 0.5 - math.log(0.5) - 1
     assert out.loss_sum.item() == pytest.approx(0.1 * k3, abs=1e-6)
     assert out.stats.metrics()["loss/kl_ref"] == pytest.approx(k3, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("mode", "weights"),
+    [("none", [1.0, 1.0]), ("token_truncate", [1.5, 0.5]), ("token_mask", [0.0, 0.5])],
+)
+def test_recomputed_old_logprobs_take_the_ratio_and_move_the_correction(
+    mode: str, weights: list[float]
+) -> None:
+    cfg = LossConfig(
+        name="ppo_clip", clip_low=0.2, clip_high=0.2, importance_sampling=mode, is_cap=1.5
+    )
+    # Trainer / old ratios 1.5 (clipped at 1.2) and 0.9; old / sampler ratios 3.0 and 0.5.
+    sampler = torch.tensor([[-1.0, -1.0]])
+    old = sampler + torch.tensor([[3.0, 0.5]]).log()
+    logprobs = (old + torch.tensor([[1.5, 0.9]]).log()).requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0]])
+    out = policy_loss(logprobs, sampler, adv, torch.ones(1, 2), cfg, old_logprobs=old)
+    assert out.loss_sum.item() == pytest.approx(-(weights[0] * 1.2 + weights[1] * 0.9), abs=1e-6)
+    out.loss_sum.backward()
+    assert logprobs.grad is not None
+    # The clipped token gives no gradient; the other one -weight * ratio * A.
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, -weights[1] * 0.9], abs=1e-6)
+    m = out.stats.metrics()
+    assert m["loss/clip_frac_high"] == pytest.approx(0.5)
+    k3 = [r - 1 - math.log(r) for r in (3.0, 0.5)]
+    assert m["loss/old_sampler_kl"] == pytest.approx(sum(k3) / 2, abs=1e-6)
+    # The sampler stays what the mismatch is measured against: trainer / sampler = 4.5 and 0.45.
+    k3 = [r - 1 - math.log(r) for r in (4.5, 0.45)]
+    assert m["loss/sampler_kl"] == pytest.approx(sum(k3) / 2, abs=1e-5)
+
+
+def test_recomputed_old_logprobs_keep_the_sampler_ratio_for_the_kl_correction() -> None:
+    cfg = LossConfig(importance_sampling="none", kl_coef=1.0, kl_bias_correction=True)
+    sampler = torch.tensor([[-1.0]])
+    old = sampler + math.log(2.0)
+    logprobs = old.clone().requires_grad_(True)  # trainer = old, trainer / sampler = 2
+    ref = logprobs.detach() - 0.5
+    out = policy_loss(logprobs, sampler, torch.zeros(1, 1), torch.ones(1, 1), cfg, ref, old)
+    k3 = math.exp(-0.5) + 0.5 - 1
+    assert out.stats.metrics()["loss/kl_ref"] == pytest.approx(k3, abs=1e-6)
+    # Weighted by trainer / sampler (2), not by trainer / old (1).
+    assert out.stats.metrics()["loss/kl_ref_corrected"] == pytest.approx(2.0 * k3, abs=1e-6)
