@@ -29,7 +29,7 @@ from anthropic.types.raw_message_delta_event import Delta
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from rllm_async.gateway.api import API
+from rllm_async.gateway.api import API, name_reply
 from rllm_async.gateway.conversation import ChatMessages, reply_calls
 from rllm_async.gateway.protocol_anthropic import (
     MessagesRequest,
@@ -60,6 +60,7 @@ async def messages(api: API, request: Request) -> Response:
         prompt_param="messages",
     )
     body = message_object(req, turn, model=api.gw.model, tok=api.gw.policy.tokenizer)
+    name_reply(body.id, [turn.step])
     if req.stream:
         return typed_stream(stream_events(body))
     return JSONResponse(body.model_dump(mode="json", exclude_unset=True))

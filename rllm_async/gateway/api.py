@@ -19,6 +19,7 @@ from rllm_async.gateway.errors import APIError, ErrorShape, error_response, inva
 from rllm_async.gateway.protocol import SamplingFields
 from rllm_async.gateway.sessions import Session, SessionStore
 from rllm_async.rollout import ChatTemplateError, ChatTurn, ContextLengthError, RolloutContext
+from rllm_async.types import Step
 
 log = logging.getLogger("rllm_async.gateway")
 SESSION_HEADER = "x-session-id"
@@ -50,7 +51,9 @@ class GatewayState(Protocol):
 
     def open_session(self, ttl_s: float | None = None, task: str | None = None) -> Session: ...
 
-    def reward(self, session_id: str, reward: float, task: str | None) -> Session: ...
+    def reward(
+        self, session_id: str, reward: float, task: str | None, response_id: str | None = None
+    ) -> Session: ...
 
     def scratch_context(self) -> RolloutContext: ...
 
@@ -246,6 +249,13 @@ class API:
             prompt_param=prompt_param,
         )
         return turn
+
+
+def name_reply(reply_id: str, steps: list[Step]) -> None:
+    """Mark the recorded steps of a reply with the `id` the client got, so that a per-call reward
+    (`POST /sessions/{id}/reward` with `response_id`) finds them."""
+    for step in steps:
+        step.info["reply_id"] = reply_id
 
 
 def forced_prefix(ctx: RolloutContext, forced: str | bool) -> str:

@@ -104,13 +104,15 @@ async def _reward(api: API, request: Request) -> Response:
         )
     api.session(request)  # the API key, when it is a session's, must be this one's
     req = await api.body(request, RewardRequest)
-    session = api.gw.reward(request.path_params["sid"], req.reward, req.task)
+    session = api.gw.reward(request.path_params["sid"], req.reward, req.task, req.response_id)
     body = {
         "id": session.id,
         "reward": session.reward,
         "task": session.task,
         "calls": session.calls,
     }
+    if req.response_id is not None:  # a reply's reward; the session's own is still to come
+        body |= {"response_id": req.response_id, "reward": req.reward}
     return JSONResponse(body)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from rllm_async.gateway.api import API, forced_prefix
+from rllm_async.gateway.api import API, forced_prefix, name_reply
 from rllm_async.gateway.conversation import reply_calls
 from rllm_async.gateway.protocol import ChatCompletionRequest, ResponseFormat
 from rllm_async.gateway.sse import data_stream
@@ -37,6 +37,7 @@ async def chat_completions(api: API, request: Request) -> Response:
     )
     headers = check_format(req.response_format, turns)
     body = _body(req, turns, api.gw.model, api.gw.policy.tokenizer)
+    name_reply(body["id"], [t.step for t in turns])
     if req.stream:
         return data_stream(_chunks(req, body), headers)
     return JSONResponse(body, headers=headers)

@@ -279,7 +279,10 @@ class OpenSessionRequest(StrictModel):
 
 class RewardRequest(StrictModel):
     """`POST /sessions/{id}/reward`: the episode's reward, a finite number; `task` names its group
-    (instead of, or the same as, the key given when the session was opened)."""
+    (instead of, or the same as, the key given when the session was opened). With `response_id`
+    (the `id` of a chat completion, response or message of the session) it rewards that reply
+    alone, added to the episode's reward, and the session stays open."""
 
     reward: float = Field(strict=True, allow_inf_nan=False)
     task: str | None = Field(default=None, min_length=1, max_length=512)
+    response_id: str | None = Field(default=None, min_length=1, max_length=128)

@@ -39,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.responses import Response as HTTPResponse
 
-from rllm_async.gateway.api import API
+from rllm_async.gateway.api import API, name_reply
 from rllm_async.gateway.chat_completions import check_format
 from rllm_async.gateway.conversation import ChatMessages, reply_calls
 from rllm_async.gateway.protocol_responses import (
@@ -79,6 +79,7 @@ async def responses(api: API, request: Request) -> HTTPResponse:
         temperature=sampling.get("temperature", base.temperature),
         top_p=sampling.get("top_p", base.top_p),
     )
+    name_reply(body.id, [turn.step])
     if req.stream:
         return typed_stream(stream_events(body), headers)
     return JSONResponse(body.model_dump(mode="json", exclude_unset=True), headers=headers)

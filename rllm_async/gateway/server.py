@@ -141,9 +141,12 @@ class Gateway:
         )
         return self.sessions.open(ctx, locked=self.locked_sessions, task=task)
 
-    def reward(self, session_id: str, reward: float, task: str | None) -> Session:
-        """Record the reward of an open session's episode and close it (`on_reward` takes it);
-        an APIError, changing nothing, when the session is gone or cannot take it."""
+    def reward(
+        self, session_id: str, reward: float, task: str | None, response_id: str | None = None
+    ) -> Session:
+        """Record the reward of an open session's episode and close it (`on_reward` takes it),
+        or with `response_id` the reward of that reply alone (the session stays open); an
+        APIError, changing nothing, when the session is gone or cannot take it."""
         self.sessions.expire()  # a reward past the session's TTL is late
         session = self.sessions.get(session_id)
         if task is not None and session.task is not None and task != session.task:
@@ -154,6 +157,10 @@ class Gateway:
                 param="task",
                 code="invalid_parameter",
             )
+        if response_id is not None:
+            _reward_reply(session, response_id, reward)
+            session.task = task or session.task
+            return session
         if session.busy:
             raise APIError(
                 409,
@@ -237,6 +244,30 @@ class Gateway:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._server = self._task = None
+
+
+def _reward_reply(session: Session, response_id: str, reward: float) -> None:
+    """Reward the steps of one reply of `session`, each once."""
+    steps = [
+        step
+        for traj in session.ctx.trajectories()
+        for step in traj.steps
+        if step.info.get("reply_id") == response_id
+    ]
+    if not steps:
+        raise APIError(
+            404,
+            f"session {session.id!r} has no chat completion, response or message with id "
+            f"{response_id!r}: give the `id` of one of its replies",
+            param="response_id",
+            code="response_not_found",
+        )
+    if any(step.reward is not None for step in steps):
+        raise APIError(
+            409, f"the reply {response_id!r} already has its reward", code="response_rewarded"
+        )
+    for step in steps:
+        step.reward = reward
 
 
 def _bind(host: str, port: int) -> socket.socket:

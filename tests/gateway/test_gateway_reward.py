@@ -144,3 +144,47 @@ def test_a_trainers_gateway_takes_no_rewards_over_http() -> None:
             await gateway.stop()
 
     asyncio.run(go())
+
+
+def test_a_reply_is_rewarded_by_its_id_once_and_the_session_stays_open(tmp_path: Path) -> None:
+    export = tmp_path / "sessions.jsonl"
+
+    async def go() -> None:
+        policy = ScriptedPolicy(lambda prompt: "ok")
+        async with (
+            serving(policy, export_path=export) as gateway,
+            httpx.AsyncClient(base_url=gateway.url, headers=HEADERS) as http,
+        ):
+            sid = (await http.post("/sessions", json={})).json()["id"]
+            ids = []
+            for path, body in (
+                ("chat/completions", CHAT),
+                ("responses", {"model": "policy", "input": "q"}),
+                ("messages", {**CHAT, "max_tokens": 8}),
+            ):
+                r = await http.post(f"/sessions/{sid}/v1/{path}", json=body)
+                assert r.status_code == 200, r.text
+                ids.append(r.json()["id"])
+            url = f"/sessions/{sid}/reward"
+            for reply_id, value in zip(ids, (0.25, -0.5, 1.0), strict=True):
+                r = await http.post(url, json={"reward": value, "response_id": reply_id})
+                assert r.status_code == 200 and r.json()["response_id"] == reply_id
+                assert r.json()["reward"] == value
+            refusals = [
+                ({"reward": 2.0, "response_id": ids[0]}, 409, "response_rewarded"),
+                ({"reward": 2.0, "response_id": "chatcmpl-nope"}, 404, "response_not_found"),
+                ({"reward": 2.0, "response_id": ""}, 400, "invalid_parameter"),
+            ]
+            for body, status, code in refusals:
+                r = await http.post(url, json=body)
+                assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+            assert len(gateway.sessions) == 1  # still open: the episode's reward is to come
+            assert (await http.post(url, json={"reward": 3.0})).status_code == 200
+
+    asyncio.run(go())
+    [line] = export.read_text().splitlines()
+    record = json.loads(line)
+    steps = record["trajectories"]["default"]
+    assert record["reward"] == 3.0 and [s["reward"] for s in steps] == [0.25, -0.5, 1.0]
+    prefixes = [s["info"]["reply_id"].split("-")[0].split("_")[0] for s in steps]
+    assert prefixes == ["chatcmpl", "resp", "msg"]

@@ -126,3 +126,32 @@ def test_sessions_without_a_task_key_are_grouped_by_their_first_prompt() -> None
             await wf.close()
 
     asyncio.run(go())
+
+
+def test_a_replys_reward_adds_to_the_episodes() -> None:
+    async def go() -> None:
+        wf = OnlineWorkflow(group_size=1, sampling=SamplingParams(max_tokens=8), api_key="k")
+        await wf.start(ScriptedPolicy(lambda prompt: "ok"))
+        assert wf.gateway is not None
+        try:
+            async with httpx.AsyncClient(
+                base_url=wf.gateway.url, headers={"Authorization": "Bearer k"}
+            ) as http:
+                sid = (await http.post("/sessions", json={"task": "t"})).json()["id"]
+                body = {"model": "policy", "messages": [{"role": "user", "content": "q"}]}
+                reply = await http.post(f"/sessions/{sid}/v1/chat/completions", json=body)
+                first = {"reward": 0.25, "response_id": reply.json()["id"]}
+                assert (await http.post(f"/sessions/{sid}/reward", json=first)).status_code == 200
+                assert wf.groups.pending == 0  # the session is still open: no episode yet
+                await http.post(f"/sessions/{sid}/v1/chat/completions", json=body)
+                assert (
+                    await http.post(f"/sessions/{sid}/reward", json={"reward": 1.0})
+                ).status_code == 200
+            episode = await wf.run({"id": "s0"}, context(0))
+            [traj] = episode.trajectories
+            assert [s.reward for s in traj.steps] == [0.25, None]
+            assert traj.reward == episode.reward == 1.25
+        finally:
+            await wf.close()
+
+    asyncio.run(go())
