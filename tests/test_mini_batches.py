@@ -20,7 +20,8 @@ from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
 
 
 class CallLog(FakeBackend):
-    """Logs every backend call: ("fb", task ids), ("optim",), ("sync", version)."""
+    """Logs every backend call: ("fb", task ids), ("recompute", task ids), ("optim",),
+    ("sync", version)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -29,6 +30,9 @@ class CallLog(FakeBackend):
     async def forward_backward(self, groups: list[Any], loss: Any) -> dict[str, float]:
         self.log.append(("fb", tuple(g.task_id for g in groups)))
         return await super().forward_backward(groups, loss)
+
+    async def recompute_logprobs(self, groups: list[Any]) -> None:
+        self.log.append(("recompute", tuple(g.task_id for g in groups)))
 
     async def optim_step(self) -> dict[str, float]:
         self.log.append(("optim",))
@@ -79,10 +83,37 @@ def test_one_mini_batch_and_one_epoch_is_the_plain_step(tmp_path) -> None:
     assert all(len(c[1]) == 2 for c in plain if c[0] == "fb")
 
 
+def test_recomputed_old_logprobs_take_the_whole_batch_before_its_first_step(tmp_path) -> None:
+    train = {"total_steps": 8, "groups_per_step": 4, "mini_batches": 2, "epochs_per_batch": 2}
+    co = {"pipeline_depth": 1, "max_staleness": 4}
+    loss = {"loss": {"behaviour_logprobs": "recomputed"}}
+    trainer, backend, records = fit(tmp_path / "r", train, coordinator=co, algorithm=loss)
+    one_batch = ["fb", "recompute", "optim", "sync", *["fb", "optim", "sync"] * 3]
+    assert [c[0] for c in backend.log] == one_batch * 2
+    assert [c[1] for c in backend.log if c[0] == "sync"] == list(range(1, 9))
+    # The second mini-batch is recorded before the first step and trained after it, every pass.
+    first = backend.log[: len(one_batch)]
+    trained = [c[1] for c in first if c[0] == "fb"]
+    assert trained[1] == trained[3] == first[1][1] and trained[0] == trained[2]
+    # Versions, records and group counts are those of the sampler's schedule.
+    plain = fit(tmp_path / "s", train, coordinator=co)
+    assert [r["step"] for r in records] == [r["step"] for r in plain[2]] == [4, 8]
+    assert trainer.coordinator.counts.consumed == plain[0].coordinator.counts.consumed == 8
+    assert all(r["time/recompute_logprobs_s"] >= 0 for r in records)
+
+
+def test_recomputed_old_logprobs_need_a_backend_that_recomputes(tmp_path) -> None:
+    cfg = make_config(tmp_path, algorithm={"loss": {"behaviour_logprobs": "recomputed"}})
+    with pytest.raises(ConfigError, match=r"behaviour_logprobs: recomputed.*FakeBackend"):
+        UnifiedTrainer(
+            cfg, backend=FakeBackend(), workflow=ScriptedWorkflow(), train_tasks=tasks(8)
+        )
+
+
 def test_groups_stream_into_each_mini_batch_however_micro_batched(tmp_path) -> None:
     # The deterministic simulator trains the same groups in every optimizer step whether a
     # mini-batch is one forward_backward call or several.
-    def trained(micro: int) -> list:
+    def trained(micro: int, behaviour: str = "sampler") -> tuple[list, list[dict[str, float]]]:
         config = workload_config(
             "W1",
             [
@@ -97,15 +128,22 @@ def test_groups_stream_into_each_mini_batch_however_micro_batched(tmp_path) -> N
                 "train.epochs_per_batch=2",
                 f"train.micro_batch_groups={micro}",
                 "rollout.group_size=4",
+                f"algorithm.loss.behaviour_logprobs={behaviour}",
             ],
         )
         trainer = UnifiedTrainer(config)
-        trainer.run()
+        records = trainer.run()
         assert isinstance(trainer.backend, SimBackend)
-        return trainer.backend.trained
+        return trainer.backend.trained, records
 
-    one, two = trained(1), trained(2)
+    (one, records), (two, _) = trained(1), trained(2)
     assert len(one) == 8 and one == two
+    # Recomputing old logprobs trains the same groups in each step (the batch is all there in
+    # sync mode) and costs a forward pass over each later mini-batch, in virtual time.
+    recomputed, with_recompute = trained(2, "recomputed")
+    assert recomputed == one
+    assert all(r["time/recompute_logprobs_s"] > 0 for r in with_recompute)
+    assert with_recompute[-1]["time/elapsed_s"] > records[-1]["time/elapsed_s"]
 
 
 def test_configs_that_do_not_split_into_batches_are_refused() -> None:
@@ -166,8 +204,14 @@ def test_a_second_pass_moves_a_clipped_policy_less_than_an_unclipped_one() -> No
     asyncio.run(main())
 
 
-def test_local_backend_trains_several_epochs_per_batch(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("behaviour", "learner"),
+    [("sampler", "thread"), ("recomputed", "thread"), ("recomputed", "process")],
+)
+def test_local_backend_trains_several_epochs_per_batch(tmp_path, behaviour, learner) -> None:
     cfg = local_config(
+        backend={"learner": learner},
+        algorithm={"loss": {"behaviour_logprobs": behaviour}},
         run_dir=str(tmp_path),
         train={"total_steps": 4, "groups_per_step": 2, "mini_batches": 2, "epochs_per_batch": 2},
         coordinator={"pipeline_depth": 0, "max_staleness": 0},
@@ -182,7 +226,11 @@ def test_local_backend_trains_several_epochs_per_batch(tmp_path) -> None:
     records = trainer.run()
     assert [r["step"] for r in records] == [4]
     assert isinstance(trainer.backend, LocalBackend)
-    assert trainer.backend.learner.step == 4 and trainer.backend.version == 4
+    assert trainer.backend.version == 4
     assert records[0]["loss/num_tokens"] > 0
     assert "loss/clip_frac_high" in records[0]
-    assert torch.isfinite(params(trainer.backend)).all()
+    assert ("loss/old_sampler_kl" in records[0]) == (behaviour == "recomputed")
+    assert ("time/recompute_logprobs_s" in records[0]) == (behaviour == "recomputed")
+    if learner == "thread":
+        assert trainer.backend.learner.step == 4
+        assert torch.isfinite(params(trainer.backend)).all()
