@@ -13,7 +13,7 @@ import torch
 from rllm_async.backends.local import LocalBackend
 from rllm_async.config import Config, LossConfig
 from rllm_async.types import TrajectoryGroup
-from tests.backends.local.test_local_backend import make_config, sample_groups
+from tests.backends.local.test_local_backend import make_config, params, sample_groups
 
 SHIFT = 0.3  # how far the sampler's logprobs are moved off the trainer's, alternating in sign
 
@@ -214,5 +214,38 @@ def test_the_default_takes_the_ratio_against_the_sampler() -> None:
             assert metrics["loss/clip_frac_low"] == pytest.approx(want["clip_low"], abs=0.02)
             assert "loss/old_sampler_kl" not in metrics
         await backend.close()
+
+    asyncio.run(main())
+
+
+def test_a_resumed_learner_recomputes_the_next_batch_as_the_uninterrupted_one(tmp_path) -> None:
+    cfg = config("recomputed", epochs=2, **LOSS)
+    loss = cfg.algorithm.loss
+
+    async def batch(backend: LocalBackend, groups: list[TrajectoryGroup]) -> list[dict]:
+        out = []
+        for _ in range(2):
+            out.append(await backend.forward_backward(groups, loss))
+            await backend.optim_step()
+        return out
+
+    async def main() -> None:
+        first = LocalBackend.from_config(cfg)
+        groups = await mismatched_groups(first, 2)
+        await batch(first, groups[:1])
+        await first.on_policy_updated(2)
+        await first.save(tmp_path / "ckpt")  # checkpoints fall on batch ends
+        expected = await batch(first, groups[1:])
+
+        resumed = LocalBackend.from_config(cfg)
+        await resumed.load(tmp_path / "ckpt")
+        got = await batch(resumed, groups[1:])
+        assert got[0]["loss/clip_frac_high"] == got[0]["loss/clip_frac_low"] == 0.0
+        assert expected[1]["loss/clip_frac_high"] > 0, "the second pass is off the old policy"
+        assert got[1]["loss/clip_frac_high"] == pytest.approx(expected[1]["loss/clip_frac_high"])
+        assert got[1]["loss/policy"] == pytest.approx(expected[1]["loss/policy"], abs=1e-6)
+        assert torch.allclose(params(resumed), params(first), atol=1e-6)
+        for b in (first, resumed):
+            await b.close()
 
     asyncio.run(main())
