@@ -114,7 +114,7 @@ class TrainConfig(_Section):
     groups_per_step: int = Field(default=16, ge=1)
     micro_batch_groups: int = Field(default=4, ge=1)
     # Each step's groups split into `mini_batches` optimizer steps, passed over `epochs_per_batch`
-    # times (PPO-style reuse; the sampler's logprobs stay the behaviour policy).
+    # times (PPO-style reuse; algorithm.loss.behaviour_logprobs picks the ratio's behaviour policy).
     mini_batches: int = Field(default=1, ge=1)
     epochs_per_batch: int = Field(default=1, ge=1)
 
