@@ -6,6 +6,10 @@ never rewarded expire and are counted; malformed and late rewards are refused an
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,7 @@ from rllm_async.config import config_from_dict
 from rllm_async.serve import online_trainer
 
 KEY = "online-test-key"
-TASKS = ("add", "sub", "mul")
+ROOT = Path(__file__).parents[2]  # this checkout, whatever is installed
 
 
 class Client:
@@ -144,3 +148,37 @@ def test_rewarded_episodes_are_trained_expired_and_refused_ones_are_not(tmp_path
     assert second["reward/mean"] == 0.5 and second["staleness/max"] == 0
     assert sum(r.get("episode/online_sessions_expired", 0) for r in records) == 1
     assert all(r["staleness/max"] <= 0 for r in records)
+
+
+def test_the_command_and_the_example_client_train_until_the_last_step(tmp_path: Path) -> None:
+    serve = [
+        sys.executable,
+        "-m",
+        "rllm_async.cli",
+        "serve",
+        "--train",
+        str(ROOT / "examples/online/local.yaml"),
+        f"run_dir={tmp_path}",
+        "train.total_steps=3",
+        "logging.progress_bar=false",
+        "--port",
+        "0",
+    ]
+    env = {**os.environ, "RLLM_ASYNC_API_KEY": KEY, "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen(serve, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        assert server.stdout is not None
+        announced = json.loads(server.stdout.readline())
+        assert announced["model"] == "policy" and announced["version"] == 0
+        client = [sys.executable, str(ROOT / "examples/online/client.py")]
+        client += ["--url", announced["url"], "--api-key", KEY]
+        done = subprocess.run(client, capture_output=True, text=True, timeout=240, env=env)
+        assert server.wait(timeout=60) == 0
+    finally:
+        server.kill()
+    assert done.returncode == 0, done.stderr
+    assert "round 1: mean reward" in done.stdout and "stopped after" in done.stdout
+    lines = (tmp_path / "online-local" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["policy_version"] for r in records] == [1, 2, 3]
+    assert all(r["train/groups"] == 2 and r["staleness/max"] <= 2 for r in records)
