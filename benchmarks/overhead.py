@@ -2,13 +2,15 @@
 
 Prints one JSON line:
 - episodes_per_s: rollouts through the whole trainer (dispatch, workflow, buffer, advantages,
-  coordinator, training calls) per wall second on one core, generation and training taking no time;
-- loop_lag_p50_ms / loop_lag_p99_ms: how late a 1 ms timer fires on the real clock while 4,096
-  rollouts are in flight;
+  coordinator, training calls) per wall second on one core, generation and training taking no time,
+  with admission allowing `--in-flight` rollouts at once (one step of look-ahead);
+- loop_lag_p50_ms / loop_lag_p99_ms: how late a 1 ms timer fires on the real clock while
+  `--in-flight` rollouts decode in the simulator (default 4,096);
 - sync_overhead_p50_ms / sync_overhead_max_ms: the weight sync's control cost (pause, hook call,
-  resume), excluding the hook's own time.
+  resume), excluding the hook's own time;
+- load_1min: the machine's load average before each part (other processes skew every figure).
 
-Usage: python benchmarks/overhead.py [--steps N]
+Usage: python benchmarks/overhead.py [--steps N] [--in-flight 16384]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -41,22 +44,28 @@ def _config(tmp: str, overrides: list[str]):
     )
 
 
-def throughput(steps: int) -> tuple[float, list[float]]:
-    """Episodes per wall second with zero-latency generation, training and sync."""
+GROUP_SIZE = 8
+
+
+def throughput(steps: int, in_flight: int) -> tuple[float, list[float]]:
+    """Episodes per wall second with zero-latency generation, training and sync, with admission
+    allowing `in_flight` rollouts (two steps' worth of groups)."""
+    groups = in_flight // (2 * GROUP_SIZE)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(
             tmp,
             [
                 "backend.latency=zero",
+                f"backend.slots={in_flight}",  # the step profile in closed form: a quick start
                 "workflow.args.len_median=4",
                 "workflow.args.len_sigma=0",
                 f"train.total_steps={steps}",
-                "train.groups_per_step=64",
-                "train.micro_batch_groups=16",
-                "rollout.group_size=8",
-                "rollout.max_concurrency=4096",
-                "coordinator.pipeline_depth=2",
-                "coordinator.max_staleness=2",
+                f"train.groups_per_step={groups}",
+                f"train.micro_batch_groups={max(1, groups // 4)}",
+                f"rollout.group_size={GROUP_SIZE}",
+                f"rollout.max_concurrency={in_flight}",
+                "coordinator.pipeline_depth=1",
+                "coordinator.max_staleness=1",
             ],
         )
         trainer = UnifiedTrainer(cfg)
@@ -64,7 +73,7 @@ def throughput(steps: int) -> tuple[float, list[float]]:
         # The real clock: every microsecond of control-plane work is counted.
         records = run(trainer.fit(), virtual=False)
         elapsed = time.perf_counter() - t0
-    episodes = steps * 64 * 8
+    episodes = steps * groups * GROUP_SIZE
     overheads = [r["time/sync_overhead_s"] * 1e3 for r in records]
     return episodes / elapsed, overheads
 
@@ -86,23 +95,24 @@ async def _lag_under_load(trainer: UnifiedTrainer, seconds: float) -> tuple[list
     return lags, peak
 
 
-def loop_lag(seconds: float) -> tuple[list[float], int]:
-    """Timer lateness on the real clock with 4,096 rollouts decoding in the PS simulator."""
+def loop_lag(seconds: float, in_flight: int) -> tuple[list[float], int]:
+    """Timer lateness on the real clock with `in_flight` rollouts decoding in the PS simulator at
+    400,000 tokens/s in all, so that about 4,000 end each second whatever `in_flight` is."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(
             tmp,
             [
-                "backend.slots=4096",
+                f"backend.slots={in_flight}",
                 "backend.rmax=400000",
                 "backend.t_sync=0.01",
                 "backend.train_ratio=null",
                 "backend.train_rate=10000000",
                 "workflow.args.len_median=100",
                 "train.total_steps=1000",
-                "train.groups_per_step=512",
-                "train.micro_batch_groups=64",
-                "rollout.group_size=8",
-                "rollout.max_concurrency=4096",
+                f"train.groups_per_step={in_flight // GROUP_SIZE}",
+                f"train.micro_batch_groups={in_flight // GROUP_SIZE // 8}",
+                f"rollout.group_size={GROUP_SIZE}",
+                f"rollout.max_concurrency={in_flight}",
                 "coordinator.pipeline_depth=0",
                 "coordinator.max_staleness=0",
             ],
@@ -115,13 +125,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--lag-seconds", type=float, default=10.0)
+    parser.add_argument("--in-flight", type=int, default=4096, help="rollouts in flight at once")
     args = parser.parse_args()
-    eps, overheads = throughput(args.steps)
-    lags, peak = loop_lag(args.lag_seconds)
+    if args.in_flight < 8 * GROUP_SIZE or args.in_flight % (8 * GROUP_SIZE):
+        parser.error(f"--in-flight must be a positive multiple of {8 * GROUP_SIZE}")
+    load_throughput = os.getloadavg()[0]
+    eps, overheads = throughput(args.steps, args.in_flight)
+    load_lag = os.getloadavg()[0]
+    lags, peak = loop_lag(args.lag_seconds, args.in_flight)
     lags.sort()
     print(
         json.dumps(
             {
+                "in_flight": args.in_flight,
+                "load_1min": [round(load_throughput, 2), round(load_lag, 2)],
                 "episodes_per_s": round(eps),
                 "loop_lag_p50_ms": round(statistics.median(lags), 3),
                 "loop_lag_p99_ms": round(lags[int(0.99 * (len(lags) - 1))], 3),

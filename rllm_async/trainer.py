@@ -9,7 +9,9 @@ its own. The file runs past 400 lines so that the training loop reads in one pla
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+import gc
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, get_args
 
@@ -120,9 +122,12 @@ class UnifiedTrainer:
         fit = _Fit(self)
         try:
             await fit.start()
-            async with asyncio.TaskGroup() as scope:
-                generation = scope.create_task(fit.generation.run(), name="rllm-async:generation")
-                scope.create_task(fit.train(generation), name="rllm-async:training")
+            with _collector_for_rollouts():
+                async with asyncio.TaskGroup() as scope:
+                    generation = scope.create_task(
+                        fit.generation.run(), name="rllm-async:generation"
+                    )
+                    scope.create_task(fit.train(generation), name="rllm-async:training")
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
         finally:
@@ -443,6 +448,23 @@ class _Fit:
         keep_last = self.config.checkpoint.keep_last
         await checkpoint.save(self.run_path, self.backend, version, state, keep_last)
         self.checkpointed = version
+
+
+@contextlib.contextmanager
+def _collector_for_rollouts() -> Iterator[None]:
+    """The garbage collector set for thousands of rollouts in flight, the host's settings restored
+    after: what start-up made (modules, models, data) is frozen out of its passes, and it collects
+    the youngest objects every 50,000 allocations instead of 700, so that a rollout's objects,
+    freed by reference counting when it ends, are not promoted and scanned again and again by
+    passes that pause the event loop for tens of milliseconds (docs/benchmarks.md)."""
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(50_000, *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
 
 
 def _workload_meta(config: Config, virtual_clock: bool) -> dict[str, Any]:

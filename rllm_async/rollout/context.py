@@ -7,8 +7,9 @@ import contextlib
 import copy
 import math
 import numbers
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 from rllm_async.backends.base import Completion, PolicyClient, SamplingParams
@@ -98,15 +99,9 @@ class RolloutContext:
         """When this episode must end, on the event loop's clock; later by every sync it waited for."""
         return self._deadline
 
-    @contextlib.asynccontextmanager
-    async def timeout(self, margin_s: float = 0.0) -> AsyncIterator[None]:
+    def timeout(self, margin_s: float = 0.0) -> contextlib.AbstractAsyncContextManager[None]:
         """A scope that raises TimeoutError `margin_s` before the deadline, and moves with it."""
-        async with asyncio.timeout_at(self._deadline - margin_s) as scope:
-            self._scopes[scope] = margin_s
-            try:
-                yield
-            finally:
-                del self._scopes[scope]
+        return _DeadlineScope(self, margin_s)
 
     @property
     def time_left(self) -> float:
@@ -320,6 +315,32 @@ class RolloutContext:
         for t in trajs:
             t.reward += sum(s.reward for s in t.steps if s.reward is not None)
         return trajs
+
+
+class _DeadlineScope(contextlib.AbstractAsyncContextManager[None]):
+    """`RolloutContext.timeout`: an asyncio timeout registered with its context, so that waits
+    for weight syncs move it. A plain class: every rollout opens one."""
+
+    __slots__ = ("_ctx", "_margin_s", "_scope")
+
+    def __init__(self, ctx: RolloutContext, margin_s: float) -> None:
+        self._ctx = ctx
+        self._margin_s = margin_s
+
+    async def __aenter__(self) -> None:
+        self._scope = asyncio.timeout_at(self._ctx.deadline - self._margin_s)
+        await self._scope.__aenter__()
+        self._ctx._scopes[self._scope] = self._margin_s
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        del self._ctx._scopes[self._scope]
+        await self._scope.__aexit__(exc_type, exc, tb)
+        return None
 
 
 def _checked(episode: Episode) -> Episode:
