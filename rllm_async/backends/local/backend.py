@@ -31,6 +31,7 @@ from rllm_async.backends.local.transformers_model import (
     Decoder,
     inference_copy,
     load_transformers_model,
+    max_positions,
 )
 from rllm_async.backends.local.warm_start import WarmStartOptions, warm_start
 from rllm_async.backends.toy_tokenizers import CharTokenizer
@@ -412,8 +413,7 @@ def _build(
 
     if impl == "transformers":
         path = checkpoint_dir(Path(opts.model_path).expanduser())
-        limit = int(read_config(path).get("max_position_embeddings") or opts.max_seq_len)
-        _check_max_seq_len(opts, limit)
+        _check_max_seq_len(opts, max_positions(read_config(path)))
         hf_tokenizer, stop_ids = load_chat_tokenizer(path)
         return load_transformers_model(path, device), hf_tokenizer, stop_ids
     ckpt = load_checkpoint(Path(opts.model_path).expanduser())

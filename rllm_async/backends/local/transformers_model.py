@@ -116,6 +116,20 @@ def inference_copy(model: Decoder, device: torch.device, dtype: torch.dtype) -> 
     return copy.deepcopy(model).to(device=device, dtype=dtype).requires_grad_(False)
 
 
+def max_positions(raw: dict[str, Any]) -> int:
+    """The longest sequence the fallback runs as transformers runs it alone: transformers rotates
+    length-dependent RoPE (`longrope`, `dynamic`) by a batch's longest row, so past the original
+    context a short row batched with a long one would be rotated otherwise than alone."""
+    limit = int(raw.get("max_position_embeddings") or 2048)
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) in ("longrope", "dynamic"):
+        original = raw.get("original_max_position_embeddings") or rope.get(
+            "original_max_position_embeddings"
+        )
+        limit = min(limit, int(original or limit))
+    return limit
+
+
 def load_transformers_model(path: Path, device: torch.device) -> TransformersModel:
     """A local checkpoint directory loaded with `AutoModelForCausalLM` (float32, no download).
 

@@ -18,7 +18,10 @@ from rllm_async import SingleTurnWorkflow, UnifiedTrainer  # noqa: E402
 from rllm_async.backends.base import SamplingParams  # noqa: E402
 from rllm_async.backends.local import LocalBackend  # noqa: E402
 from rllm_async.backends.local.model import Transformer  # noqa: E402
-from rllm_async.backends.local.transformers_model import TransformersModel  # noqa: E402
+from rllm_async.backends.local.transformers_model import (  # noqa: E402
+    TransformersModel,
+    max_positions,
+)
 from rllm_async.config import Config, ConfigError, config_from_dict  # noqa: E402
 from rllm_async.types import Step, Trajectory, TrajectoryGroup  # noqa: E402
 from tests.backends.local.test_local_hf import save_tokenizer  # noqa: E402
@@ -294,6 +297,7 @@ def test_forced_transformers_samples_what_our_decoder_samples(
         ("phi3", {"rollout": "vllm"}, "rollout: vllm.*transformers fallback"),
         ("llama", {"model_impl": "transformers", "lora": {"rank": 4}}, "backend.lora"),
         (None, {"model_impl": "transformers"}, "needs a backend.model_path"),
+        ("gemma2", {"max_seq_len": 256}, r"max_seq_len \(256\) exceeds .* \(128\)"),
     ],
 )
 def test_refuses_what_the_path_cannot_do(
@@ -305,6 +309,49 @@ def test_refuses_what_the_path_cannot_do(
         cfg = make_config(checkpoints[family], backend)
     with pytest.raises(ConfigError, match=match):
         LocalBackend.from_config(cfg)
+
+
+def answers(n: int) -> list[dict[str, Any]]:
+    """Warm-start transcripts: every question is answered `42`."""
+    return [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "42"}]}
+        for i in range(n)
+    ]
+
+
+def test_a_warm_start_fine_tunes_the_fallback_model(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    warm = {
+        "examples": f"{__name__}:answers",
+        "args": {"n": 32},
+        "steps": 30,
+        "batch_size": 8,
+        "lr": 1e-2,
+        "cache_dir": str(tmp_path),
+    }
+    cfg = make_config(checkpoints["phi3"], {"warm_start": warm})
+
+    async def main() -> None:
+        backend = LocalBackend.from_config(cfg)
+        policy = backend.policy()
+        prompt = policy.tokenizer.apply_chat_template([{"role": "user", "content": "q7"}])
+        out = await policy.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4))
+        await backend.close()
+        assert policy.tokenizer.decode(out.ids) == "42"  # then EOS
+
+    asyncio.run(main())
+
+
+def test_length_dependent_rope_limits_max_seq_len_to_the_original_context() -> None:
+    longrope = {"type": "longrope", "short_factor": [1.0], "long_factor": [4.0]}
+    phi3_128k = {
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "rope_scaling": longrope,
+    }
+    assert max_positions(phi3_128k) == 4096
+    assert max_positions({**phi3_128k, "rope_scaling": None}) == 131072
 
 
 def digit_fraction(task: dict[str, Any], text: str) -> float:
