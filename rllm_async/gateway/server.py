@@ -64,9 +64,10 @@ class Gateway:
     a client reports a session's reward with `POST /sessions/{id}/reward`, which closes it and
     hands it to `on_reward` (online training), while `on_expired` hears of each session that
     expired unrewarded; `locked_sessions` makes them sample with `sampling`'s temperature and
-    top_p only (the trainer's loss assumes them). A call outside any session, and every call of a session opened over HTTP,
-    waits on the pause of the contexts given to `session` or `follow_pause` (a trainer's weight
-    sync, which every rollout's context shares), so no weights half-updated serve it.
+    top_p only (the trainer's loss assumes them). A call outside any session, and every call of a
+    session opened over HTTP, waits on the pause of the contexts given to `session` or
+    `follow_pause` (a trainer's weight sync, which every rollout's context shares), so no weights
+    half-updated serve it.
     """
 
     def __init__(
