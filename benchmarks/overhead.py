@@ -4,6 +4,7 @@ Prints one JSON line:
 - episodes_per_s: rollouts through the whole trainer (dispatch, workflow, buffer, advantages,
   coordinator, training calls) per wall second on one core, generation and training taking no time,
   with admission allowing `--in-flight` rollouts at once (one step of look-ahead);
+- episodes_per_cpu_s: the same per CPU second of this process, less skewed by other processes;
 - loop_lag_p50_ms / loop_lag_p99_ms: how late a 1 ms timer fires on the real clock while
   `--in-flight` rollouts decode in the simulator (default 4,096);
 - sync_overhead_p50_ms / sync_overhead_max_ms: the weight sync's control cost (pause, hook call,
@@ -47,9 +48,9 @@ def _config(tmp: str, overrides: list[str]):
 GROUP_SIZE = 8
 
 
-def throughput(steps: int, in_flight: int) -> tuple[float, list[float]]:
-    """Episodes per wall second with zero-latency generation, training and sync, with admission
-    allowing `in_flight` rollouts (two steps' worth of groups)."""
+def throughput(steps: int, in_flight: int) -> tuple[float, float, list[float]]:
+    """Episodes per wall second and per CPU second of this process with zero-latency generation,
+    training and sync, with admission allowing `in_flight` rollouts (two steps' worth of groups)."""
     groups = in_flight // (2 * GROUP_SIZE)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _config(
@@ -69,13 +70,13 @@ def throughput(steps: int, in_flight: int) -> tuple[float, list[float]]:
             ],
         )
         trainer = UnifiedTrainer(cfg)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         # The real clock: every microsecond of control-plane work is counted.
         records = run(trainer.fit(), virtual=False)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     episodes = steps * groups * GROUP_SIZE
     overheads = [r["time/sync_overhead_s"] * 1e3 for r in records]
-    return episodes / elapsed, overheads
+    return episodes / elapsed, episodes / cpu, overheads
 
 
 async def _lag_under_load(trainer: UnifiedTrainer, seconds: float) -> tuple[list[float], int]:
@@ -130,7 +131,7 @@ def main() -> None:
     if args.in_flight < 8 * GROUP_SIZE or args.in_flight % (8 * GROUP_SIZE):
         parser.error(f"--in-flight must be a positive multiple of {8 * GROUP_SIZE}")
     load_throughput = os.getloadavg()[0]
-    eps, overheads = throughput(args.steps, args.in_flight)
+    eps, eps_cpu, overheads = throughput(args.steps, args.in_flight)
     load_lag = os.getloadavg()[0]
     lags, peak = loop_lag(args.lag_seconds, args.in_flight)
     lags.sort()
@@ -140,6 +141,7 @@ def main() -> None:
                 "in_flight": args.in_flight,
                 "load_1min": [round(load_throughput, 2), round(load_lag, 2)],
                 "episodes_per_s": round(eps),
+                "episodes_per_cpu_s": round(eps_cpu),
                 "loop_lag_p50_ms": round(statistics.median(lags), 3),
                 "loop_lag_p99_ms": round(lags[int(0.99 * (len(lags) - 1))], 3),
                 "loop_lag_samples": len(lags),

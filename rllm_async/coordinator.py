@@ -188,10 +188,17 @@ class SyncCoordinator:
     def paused(self) -> bool:
         return not self._unpaused.is_set()
 
-    async def wait_unpaused(self) -> None:
-        """Block a new model call while a weight sync is in progress."""
-        if not self._unpaused.is_set():
-            await self._unpaused.wait()
+    def wait_unpaused(self) -> Awaitable[None]:
+        """What a new model call awaits while a weight sync is in progress; a future already done
+        when none is, which callers may skip without suspending (`RolloutContext`)."""
+        if self._unpaused.is_set():
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+        return self._sync_end()
+
+    async def _sync_end(self) -> None:
+        await self._unpaused.wait()
 
     def sync_due(self, version: int) -> bool:
         """Whether the engine gets the weights of `version`: every `sync_every` optimizer steps,

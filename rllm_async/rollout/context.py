@@ -248,12 +248,16 @@ class RolloutContext:
         return self.parser.tool.forced_prefix(name)
 
     async def _wait_out_sync(self) -> None:
-        """Wait while a weight sync pauses model calls, with the deadline stopped meanwhile."""
+        """Wait while a weight sync pauses model calls, with the deadline stopped meanwhile. A wait
+        that is already over (a done future: no sync) leaves the deadline's timers alone."""
+        waiting = self._wait_unpaused()
+        if isinstance(waiting, asyncio.Future) and waiting.done():
+            return
         loop = asyncio.get_running_loop()
         start = loop.time()
         self._reschedule(stopped=True)
         try:
-            await self._wait_unpaused()
+            await waiting
         finally:
             self._deadline += loop.time() - start
             self._reschedule(stopped=False)
