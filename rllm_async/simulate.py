@@ -106,6 +106,7 @@ def compare(classic_s: float, streaming_s: float, tested: dict[str, Any]) -> dic
         "speedup_vs_streaming_sync": round(streaming_s / tested["time_s"], 4),
         "efficiency": round(tested["t_ideal_s"] / tested["time_s"], 4),
         "waste": round(tested["waste"], 4),
+        "waste_steady": round(tested["waste_steady"], 4),
         "staleness_max": tested["staleness_max"],
         "staleness_mean": round(tested["staleness_mean"], 3),
         "violations": tested["violations"],
@@ -132,7 +133,8 @@ def simulate(
     `t_sync_streaming_s` is our `mode: sync` with streamed micro-batches, which already overlaps
     training with the tail of generation. `t_ideal_s = max(T_gen at full concurrency, train +
     sync time)` for the tokens the run trained; efficiency is `t_ideal_s / t_async_s`; waste is
-    discarded tokens / generated tokens.
+    discarded tokens / generated tokens, `waste_steady` the same without the last step's record
+    (which holds the groups that the run's end cancelled).
     """
     common = [f"train.total_steps={steps}", f"seed={seed}", *(overrides or [])]
     classic_s, streaming_s = sync_baselines(workload, common)
