@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
 import pytest
 
+from rllm_async.callbacks import Callback
 from rllm_async.coordinator import StallError, SyncTimeoutError
 from rllm_async.health import FailureRateError
 from rllm_async.rollout import RolloutContext
@@ -399,3 +401,25 @@ def test_a_run_without_any_learning_signal_stops_with_a_clear_error(
     with pytest.raises(NoSignalError, match=fix):
         fit(trainer)
     assert trainer.coordinator.counts.filtered >= 40
+
+
+def test_the_collector_is_set_for_rollouts_during_a_fit_and_restored_after(tmp_path) -> None:
+    seen: list[tuple[int, int]] = []
+
+    class Probe(Callback):
+        def on_step_end(self, step, metrics):
+            seen.append((gc.get_threshold()[0], gc.get_freeze_count()))
+
+    before = gc.get_threshold()
+    cfg = make_config(tmp_path, train={"total_steps": 2})
+    trainer = UnifiedTrainer(
+        cfg,
+        backend=FakeBackend(),
+        workflow=ScriptedWorkflow(),
+        callbacks=[Probe()],
+        train_tasks=tasks(8),
+    )
+    fit(trainer)
+    # Young objects collected every 50,000 allocations, start-up's objects frozen; then as before.
+    assert len(seen) == 2 and all(young == 50_000 and frozen > 0 for young, frozen in seen)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
