@@ -65,13 +65,16 @@ class ToolCall(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message; fields clients echo back (`refusal`, `annotations`, ...) are ignored."""
+    """One chat message; fields clients echo back (`refusal`, `annotations`, ...) are ignored.
+    An assistant message's `reasoning_content` (the reasoning a reply came back with) goes to the
+    chat template, which may render it (Qwen3's does after the last user turn)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def to_chat(self) -> dict[str, Any]:
         """The message as workflows and chat templates see it (`developer` is a system turn)."""
@@ -84,6 +87,8 @@ class ChatMessage(BaseModel):
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from rllm_async.backends.base import Tokenizer
 
-_BASE = ({"role": "user", "content": "x"}, {"role": "assistant", "content": "y"})
+_USER = {"role": "user", "content": "x"}
 
 
 def cut_at_stop(text: str, stops: Sequence[str] | str) -> str:
@@ -87,6 +87,7 @@ def render(
 
 def continuation_ids(
     tok: Tokenizer,
+    reply: dict[str, Any],
     completion_ids: Sequence[int],
     new_messages: Sequence[dict[str, Any]],
     tools: Sequence[dict[str, Any]] | None,
@@ -94,26 +95,36 @@ def continuation_ids(
 ) -> list[int]:
     """Tokens that follow an assistant turn's exact `completion_ids` to render `new_messages`.
 
-    The template renders a fixed two-turn chat with and without the new messages; what follows
-    the reply's EOS in the longer rendering is the new turns, preceded by what the template puts
-    after an assistant turn's EOS (a newline, for ChatML). The reply's EOS is found by rank, so a
-    template that renders the reply differently once turns follow it (Qwen3 drops its empty
-    `<think>` block) still gives the new turns only. The EOS itself comes first when the
-    completion did not end with it (a length- or stop-string-truncated reply).
+    The template renders a fixed user turn and a stand-in for `reply` (its tool calls, which
+    templates such as gpt-oss's name in the tool turns that answer them) with and without the new
+    messages; what follows the reply's end-of-turn token in the longer rendering is the new turns,
+    preceded by what the template puts after an assistant turn (a newline, for ChatML). The
+    end-of-turn token is the EOS or the special token the completion ended on (gpt-oss's `<|call|>`
+    after a call), found by rank, so a template that renders the reply differently once turns
+    follow it (Qwen3 drops its empty `<think>` block) still gives the new turns only. The EOS
+    itself comes first when the completion did not end with a special token (a length- or
+    stop-string-truncated reply).
     """
-    base = render(tok, list(_BASE), tools, template_kwargs, add_generation_prompt=False)
-    full = render(tok, [*_BASE, *template_messages(new_messages)], tools, template_kwargs)
+    calls = reply.get("tool_calls")
+    stand_in = {"role": "assistant", "content": "", "tool_calls": calls} if calls else None
+    chat = template_messages([_USER, stand_in or {"role": "assistant", "content": "y"}])
+    base = render(tok, chat, tools, template_kwargs, add_generation_prompt=False)
+    full = render(tok, [*chat, *template_messages(new_messages)], tools, template_kwargs)
     eos = tok.eos_token_id
-    closing = [] if completion_ids and completion_ids[-1] == eos else [eos]
-    if eos not in base:
+    # A completion that ends on a special token other than the EOS stopped there (gpt-oss's
+    # `<|call|>`): the template closes the reply with it too.
+    stopped = [t for t in completion_ids[-1:] if tok.decode([t]) == ""]
+    turn_ends = {eos, *stopped}
+    closing = [] if stopped else [eos]
+    if not turn_ends & set(base):
         if full[: len(base)] != base:
             raise ValueError(
                 "the chat template does not render new turns as a suffix of the history"
             )
         return [*closing, *full[len(base) :]]
-    base_ends = [i for i, t in enumerate(base) if t == eos]
-    ends = [i for i, t in enumerate(full) if t == eos]
-    k = len(base_ends)  # the reply's EOS is the k-th in both renderings
+    base_ends = [i for i, t in enumerate(base) if t in turn_ends]
+    ends = [i for i, t in enumerate(full) if t in turn_ends]
+    k = len(base_ends)  # the reply's end is the k-th in both renderings
     before = base_ends[-2] + 1 if k > 1 else 0  # the turns before the reply's
     if len(ends) < k or full[:before] != base[:before]:
         raise ValueError("the chat template renders the turns before the reply differently")
@@ -123,6 +134,7 @@ def continuation_ids(
 @dataclass(slots=True)
 class _Tip:
     keys: tuple[tuple[Any, ...], ...]  # the call's messages plus the reply it produced
+    reply: dict[str, Any]
     tools: str
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -145,7 +157,7 @@ class ChatHistory:
     ) -> None:
         keys = tuple(message_key(m) for m in (*messages, reply))
         tools_key = _tools_key(tools, template_kwargs)
-        self._tips.append(_Tip(keys, tools_key, prompt_ids, completion_ids))
+        self._tips.append(_Tip(keys, reply, tools_key, prompt_ids, completion_ids))
 
     def prompt(
         self,
@@ -167,7 +179,9 @@ class ChatHistory:
         if best is not None:
             try:
                 new = messages[len(best.keys) :]
-                tail = continuation_ids(tok, best.completion_ids, new, tools, template_kwargs)
+                tail = continuation_ids(
+                    tok, best.reply, best.completion_ids, new, tools, template_kwargs
+                )
             except ValueError:
                 pass  # a template that cannot render a suffix: render the whole chat
             else:

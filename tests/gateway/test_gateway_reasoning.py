@@ -38,3 +38,42 @@ def test_reasoning_comes_back_as_reasoning_content_and_stays_in_the_tokens() -> 
     asyncio.run(go())
     _, completion = policy.calls[0]
     assert policy.text(completion).startswith("<think>6*7 needs the tool</think>")
+
+
+def test_reasoning_content_sent_back_reaches_the_chat_template() -> None:
+    """A Qwen3-like template renders the `reasoning_content` of an assistant message after the
+    last user turn: the prompt the policy gets holds it, as a direct rendering of the chat does."""
+    from rllm_async.rollout.chat import render, template_messages
+    from tests.rollout.test_tool_call_families import (
+        CALC as FAMILY_CALC,
+    )
+    from tests.rollout.test_tool_call_families import (
+        FAMILIES,
+        IDS,
+        FamilyPolicy,
+        family_tokenizer,
+    )
+
+    tok = family_tokenizer(FAMILIES[IDS.index("qwen3_think")])
+    policy = FamilyPolicy(tok, ["<think>\nDone.\n</think>\n\nIt is 42."], ())
+    call = {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}
+    thought = {"role": "assistant", "content": "", "tool_calls": [call]}
+    thought["reasoning_content"] = "6*7 needs the tool"
+    chat = [
+        {"role": "user", "content": "6*7?"},
+        thought,
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
+
+    async def go() -> None:
+        async with serving(policy) as gateway:
+            client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=KEY)
+            reply = await client.chat.completions.create(
+                model="policy", messages=chat, tools=[FAMILY_CALC]
+            )
+            assert reply.choices[0].message.content == "It is 42."
+
+    asyncio.run(go())
+    [(prompt, _)] = policy.calls
+    assert prompt == render(tok, template_messages(chat), [FAMILY_CALC])
+    assert "<think>\n6*7 needs the tool\n</think>" in tok.decode(prompt)

@@ -103,9 +103,9 @@ def test_continuation_keeps_the_template_trailer_and_closes_truncated_turns() ->
     new = [{"role": "user", "content": "again"}]
     full = tok.apply_chat_template([*chat, {"role": "assistant", "content": "hello there"}, *new])
     # The exact tokens so far, then what the template puts after the EOS, then the new turn.
-    assert prompt + reply + continuation_ids(tok, reply, new, None) == full
+    assert prompt + reply + continuation_ids(tok, {}, reply, new, None) == full
     truncated = tok.encode("hello")  # stopped by length: no EOS was sampled
-    tail = continuation_ids(tok, truncated, new, None)
+    tail = continuation_ids(tok, {}, truncated, new, None)
     assert tail[:2] == [tok.eos_token_id, 2]
 
 

@@ -137,6 +137,38 @@ DEEPSEEK_TOKENS = [
 DEEPSEEK_PLAIN = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>"]
 DEEPSEEK_PLAIN += ["<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>"]
 DEEPSEEK_PLAIN += ["<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
+# gpt-oss (harmony): the model writes a call's recipient after its channel and ends it with
+# <|call|>, ends a final answer with <|return|>; the template renders a call in history with the
+# recipient first, a final answer ending with <|end|> unless it closes the chat, and names the
+# function a tool turn answers (it refuses a tool turn that follows no call).
+HARMONY = (
+    "{%- set ns = namespace(call=none) %}"
+    "{{- '<|start|>system<|message|># Valid channels: analysis, commentary, final.' }}"
+    "{%- if tools %}{{- ' Calls to these tools must go to the commentary channel.' }}{%- endif %}"
+    "{{- '<|end|>' }}{%- if tools %}{{- '<|start|>developer<|message|>namespace functions {' }}"
+    "{%- for t in tools %}{{- 'type ' + t.function.name + ' = (_: '"
+    " + (t.function.parameters | tojson) + ') => any;' }}{%- endfor %}"
+    "{{- '} // namespace functions<|end|>' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}"
+    "{%- if m.thinking %}"
+    "{{- '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}{%- endif %}"
+    "{%- for c in m.tool_calls %}" + FN + ""
+    "{{- '<|start|>assistant to=functions.' + f.name + '<|channel|>commentary json<|message|>'"
+    " + (f.arguments | tojson) + '<|call|>' }}{%- set ns.call = f.name %}{%- endfor %}"
+    "{%- elif m.role == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + m.content }}"
+    "{{- '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' }}"
+    "{%- elif m.role == 'tool' %}{%- if ns.call is none %}"
+    "{{- raise_exception('Message has tool role, but there was no previous assistant message"
+    " with a tool call!') }}{%- endif %}"
+    "{{- '<|start|>functions.' + ns.call + ' to=assistant<|channel|>commentary<|message|>'"
+    " + (m.content | tojson) + '<|end|>' }}"
+    "{%- else %}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+HARMONY_TOKENS = ["<|return|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>"]
+HARMONY_TOKENS += ["<|constrain|>", "<|call|>"]
 CHATML_TOKENS = (
     ["<|im_start|>", "<|im_end|>"],
     ["<tool_call>", "</tool_call>", "<think>", "</think>"],
@@ -154,6 +186,13 @@ class Family:
     plain: list[str]  # single tokens, kept when decoding
     completions: tuple[str, ...]
     reasoning: str = "none"
+    stops: tuple[str, ...] = ()  # what else than the EOS ends a reply (gpt-oss's <|call|>)
+    as_sampled: bool = True  # the template renders a parsed reply as the model wrote it
+
+    @property
+    def reasons(self) -> bool:
+        """Its replies carry reasoning: a `<think>` block, or harmony's `analysis` channel."""
+        return self.reasoning == "think" or self.name == "harmony"
 
 
 FAMILIES = [
@@ -215,8 +254,24 @@ FAMILIES = [
         ),
         reasoning="think",
     ),
+    Family(
+        "harmony",
+        HARMONY,
+        "<|return|>",
+        HARMONY_TOKENS,
+        [],
+        (
+            "<|channel|>analysis<|message|>I need the tool.<|end|><|start|>assistant<|channel|>"
+            f"commentary to=functions.calc <|constrain|>json<|message|>{json.dumps({'expr': '6*7'})}"
+            "<|call|>",
+            "<|channel|>analysis<|message|>The tool said 42.<|end|><|start|>assistant<|channel|>"
+            "final<|message|>It is 42.",
+        ),
+        stops=("<|call|>",),
+        as_sampled=False,
+    ),
 ]
-IDS = ["hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v3", "qwen3_think"]
+IDS = ["hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v3", "qwen3_think", "harmony"]
 
 
 def family_tokenizer(family: Family) -> HFTokenizer:
@@ -237,11 +292,13 @@ def family_tokenizer(family: Family) -> HFTokenizer:
 
 
 class FamilyPolicy:
-    """Replies with the family's scripted completions in turn, each closed by its EOS."""
+    """Replies with the family's scripted completions in turn, each closed by its EOS unless it
+    ends with one of `stops`."""
 
-    def __init__(self, tok: HFTokenizer, completions: Sequence[str]) -> None:
+    def __init__(self, tok: HFTokenizer, completions: Sequence[str], stops: Sequence[str]) -> None:
         self.tok = tok
         self.completions = iter(completions)
+        self.stops = tuple(stops)
         self.calls: list[tuple[list[int], list[int]]] = []
 
     @property
@@ -257,7 +314,9 @@ class FamilyPolicy:
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, *, version: int | None = None
     ) -> Completion:
-        ids = [*self.tok.encode(next(self.completions)), self.tok.eos_token_id]
+        text = next(self.completions)
+        closing = [] if text.endswith(self.stops) and self.stops else [self.tok.eos_token_id]
+        ids = [*self.tok.encode(text), *closing]
         self.calls.append((list(prompt_ids), ids))
         return Completion(ids, [-0.5] * len(ids), [0] * len(ids))
 
@@ -270,7 +329,7 @@ async def _open() -> None:
 def test_a_tool_call_round_trips_token_in_token_out(family: Family) -> None:
     tok = family_tokenizer(family)
     assert detect_family(tok) == (family.name, family.reasoning)
-    policy = FamilyPolicy(tok, family.completions)
+    policy = FamilyPolicy(tok, family.completions, family.stops)
     ctx = RolloutContext(
         policy,
         sampling=SamplingParams(max_tokens=256),
@@ -288,19 +347,24 @@ def test_a_tool_call_round_trips_token_in_token_out(family: Family) -> None:
         assert call["function"]["name"] == "calc"
         assert json.loads(call["function"]["arguments"]) == {"expr": "6*7"}
         assert not turn.message["content"]
-        if family.reasoning == "think":
+        if family.reasons:
             assert turn.message["reasoning_content"] == "I need the tool."
         messages.extend(
             [turn.message, {"role": "tool", "tool_call_id": call["id"], "content": "42"}]
         )
         # The parsed reply renders back to what the model sampled: the next prompt, extended from
-        # the exact tokens, equals the template's rendering of the whole chat.
+        # the exact tokens, equals the template's rendering of the whole chat (gpt-oss's renders
+        # a call in history otherwise than the model writes it: only the tool turn is the same).
         answer = await ctx.chat_turn(messages, tools=[CALC])
         assert answer.extended and answer.message["content"] == "It is 42."
         fresh = render(tok, template_messages(messages), [CALC])
-        assert answer.step.prompt_ids == fresh
-        if family.reasoning == "think":
+        assert (answer.step.prompt_ids == fresh) is family.as_sampled
+        (p1, c1), (p2, _) = policy.calls
+        tail = p2[len(p1) + len(c1) :]
+        assert fresh[len(fresh) - len(tail) :] == tail
+        if family.reasons:
             assert answer.message["reasoning_content"] == "The tool said 42."
+        if family.reasoning == "think":
             # A new user turn: the template drops earlier reasoning from a fresh rendering, and
             # the prompt still extends the tokens the model sampled.
             messages.extend([answer.message, {"role": "user", "content": "Thanks!"}])
