@@ -122,13 +122,13 @@ class LocalBackend:
                 f"rollout.max_tokens ({config.rollout.max_tokens}) leaves no room for a prompt in "
                 f"backend.max_seq_len ({opts.max_seq_len}): raise max_seq_len or lower max_tokens"
             )
+        if opts.rollout == "vllm":
+            _check_vllm(config, opts)
         impl, why = model_impl(opts)
         runs = "native decoder" if impl == "native" else "transformers fallback"
         log.info("local backend: %s runs on the %s: %s", opts.model_path or opts.model, runs, why)
         if impl == "transformers":
             _check_fallback(opts)
-        if opts.rollout == "vllm":
-            _check_vllm(config, opts)
         seed = config.seed if opts.seed is None else opts.seed
         model, tokenizer, stop_ids = _build(opts, impl, self.device, seed)
         if opts.warm_start is not None:

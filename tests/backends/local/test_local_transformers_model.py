@@ -88,11 +88,18 @@ def make_config(path: Path, backend: dict[str, Any] | None = None, **sections: A
     )
 
 
-def transformers_logprobs(path: Path, prompt: list[int], completion: list[int]) -> list[float]:
+def transformers_logprobs(
+    path: Path,
+    prompt: list[int],
+    completion: list[int],
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> list[float]:
     """The completion's logprobs under transformers' own full forward pass of the checkpoint."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).float().eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path)).to(device, dtype).eval()
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + completion])).logits[0].float()
+        ids = torch.tensor([prompt + completion], device=device)
+        logits = model(ids).logits[0].float().cpu()
     logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
     return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(completion)]
 
@@ -151,6 +158,37 @@ def test_sampler_logprobs_equal_a_full_forward_pass_of_transformers(
             assert stopped.ids == first
 
     asyncio.run(main())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("dtype", "atol"), [("float32", 1e-4), ("bfloat16", 0.1)])
+@pytest.mark.parametrize("family", ["gemma2", "qwen2_moe"])
+def test_on_a_gpu_the_sampler_logprobs_equal_transformers_and_a_step_trains(
+    checkpoints: dict[str, Path], family: str, dtype: str, atol: float
+) -> None:
+    path = checkpoints[family]
+    cfg = make_config(path, {"device": "cuda", "dtype": dtype})
+
+    async def main() -> tuple[TrajectoryGroup, dict[str, float], torch.Tensor]:
+        backend = LocalBackend.from_config(cfg)
+        group = await sample_group(backend, "hello there")
+        before = params(backend)
+        metrics = await backend.forward_backward([group], cfg.algorithm.loss)
+        await backend.optim_step()
+        change = (params(backend) - before).abs().max()
+        await backend.close()
+        return group, metrics, change
+
+    group, metrics, change = asyncio.run(main())
+    for traj in group.trajectories:
+        step = traj.steps[0]
+        expected = transformers_logprobs(
+            path, step.prompt_ids, step.completion_ids, "cuda", getattr(torch, dtype)
+        )
+        assert step.logprobs == pytest.approx(expected, abs=atol)
+    if dtype == "float32":
+        assert metrics["loss/sampler_kl"] < 1e-6
+    assert 0 < float(change) < 1  # the step moved the weights, and not wildly
 
 
 @pytest.mark.parametrize("family", ["gemma2", "qwen2_moe"])
@@ -306,7 +344,8 @@ def test_refuses_what_the_path_cannot_do(
     if family is None:
         cfg = config_from_dict({"backend": {"name": "local", **backend}})
     else:
-        cfg = make_config(checkpoints[family], backend)
+        # weight_update: latest, which rollout: vllm needs in async mode
+        cfg = make_config(checkpoints[family], backend, coordinator={"weight_update": "latest"})
     with pytest.raises(ConfigError, match=match):
         LocalBackend.from_config(cfg)
 
