@@ -1,6 +1,7 @@
-"""The transformers fallback of the local backend: tiny random Gemma 2, Phi-3 and mixture-of-experts
-checkpoints (real transformers configs, saved locally) sample with exact logprobs, train, resume
-and export like our own decoder's models; the start-up log names the path that runs."""
+"""The transformers fallback of the local backend: tiny random Gemma 2 and 3, Phi-3 and
+mixture-of-experts checkpoints (real transformers configs, saved locally) sample with exact
+logprobs, train, resume and export like our own decoder's models; the start-up log names the path
+that runs."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ SHAPE = dict(
 FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
     # A sliding window shorter than the completions, and soft-capped logits.
     "gemma2": ("Gemma2Config", {"head_dim": 8, "sliding_window": 8}),
+    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 8, "sliding_window": 8}),
     "phi3": ("Phi3Config", {}),
     "qwen2_moe": (
         "Qwen2MoeConfig",
@@ -51,6 +53,10 @@ FAMILIES: dict[str, tuple[Any, dict[str, Any]]] = {
         },
     ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
+    ),
     "llama": ("LlamaConfig", {}),  # one our decoder implements
 }
 TEMPERATURE = 0.7
@@ -122,7 +128,9 @@ def params(backend: LocalBackend) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in backend.learner.model.parameters()])
 
 
-@pytest.mark.parametrize("family", ["gemma2", "phi3", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "family", ["gemma2", "gemma3_text", "phi3", "qwen2_moe", "qwen3_moe", "mixtral"]
+)
 def test_sampler_logprobs_equal_a_full_forward_pass_of_transformers(
     checkpoints: dict[str, Path], family: str
 ) -> None:
