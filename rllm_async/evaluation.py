@@ -105,9 +105,11 @@ class Evaluator:
 
 class EvalSchedule:
     """When the evaluations of one fit run. One due after a step pins that step's version at once
-    and runs beside the next steps, after the evaluations due before it (one samples at a time);
-    it lands in the first record written after it finishes. The training loop never waits for one
-    before its last step, whose record holds every evaluation, the final one run there."""
+    and runs beside the next steps once the one before it ends (one samples at a time); it lands
+    in the first record written after it finishes. One due while another still waits to start
+    replaces it (`eval/skipped` counts those), so at most two versions stay pinned. The training
+    loop never waits for one before its last step, whose records hold every evaluation, the final
+    one run there."""
 
     def __init__(
         self,
@@ -123,6 +125,8 @@ class EvalSchedule:
         self.enabled = bool(evaluator.tasks)
         self.evaluated_version = -1
         self._beside: list[asyncio.Task[dict[str, float]]] = []  # in the order they were due
+        self._waiting: asyncio.Task[dict[str, float]] | None = None  # the last, not yet started
+        self._skipped = 0  # evaluations replaced since the last one started
 
     async def evaluate(self) -> dict[str, float]:
         """Evaluate the current policy now."""
@@ -140,11 +144,15 @@ class EvalSchedule:
         every, last = cfg.eval.every_steps, step >= cfg.train.total_steps
         due = bool(every) and step % every == 0
         if due and not last:
+            if self._waiting is not None:
+                self._waiting.cancel()  # its pin is released as it ends
+                self._beside.remove(self._waiting)
+                self._skipped += 1
             version = self.policy.acquire()
             after = self._beside[-1] if self._beside else None
-            self._beside.append(
-                scope.create_task(self._pinned(version, after), name=f"rllm-async:eval-{step}")
-            )
+            task = scope.create_task(self._pinned(version, after), name=f"rllm-async:eval-{step}")
+            self._beside.append(task)
+            self._waiting = task if after is not None else None
         finished = await self.collect(wait=last)
         if last and (due or cfg.eval.at_end):
             finished.append(await self.evaluate())
@@ -157,11 +165,15 @@ class EvalSchedule:
         try:
             if after is not None:
                 await asyncio.wait([after])
+            self._waiting = None
+            skipped, self._skipped = self._skipped, 0
             out = await self.evaluator.evaluate(
                 self.policy, self.wait_unpaused, background=True, version=version
             )
         finally:
             self.policy.release(version)
+        if skipped:
+            out["eval/skipped"] = float(skipped)
         self.evaluated_version = max(self.evaluated_version, version)
         return out
 

@@ -112,6 +112,16 @@ def test_evaluations_run_beside_training_without_holding_it_up(tmp_path, mode) -
     assert evaluated[-1]["time/elapsed_s"] >= steps[1]["time/elapsed_s"] + 3 * 3.0
 
 
+def test_an_evaluation_due_while_another_waits_to_start_replaces_it(tmp_path) -> None:
+    backend, records = _eval_run(tmp_path, 1, eval_s=3.0)
+    # Version 1's evaluation runs from step 1 to past the last step; those of versions 2, 3 and 4
+    # each wait to start and are replaced by the next one due, until version 5's, which runs.
+    lands = [(r["eval/policy_version"], r.get("eval/skipped")) for r in records if "eval/n" in r]
+    assert lands == [(1.0, None), (5.0, 3.0), (6.0, None)]
+    assert [r["step"] for r in records if "time/step_s" in r] == [1, 2, 3, 4, 5, 6]
+    assert backend.policy().live == {}, "the pins of the replaced evaluations are released"
+
+
 def test_evaluations_after_the_data_ran_out_get_records_of_the_last_step(tmp_path) -> None:
     # One epoch of 6 tasks is 3 steps of the 6 asked for: the data ends first.
     backend, records = _eval_run(tmp_path, 2, eval_s=3.0, epochs=1)
