@@ -126,7 +126,11 @@ class LocalBackend:
             _check_vllm(config, opts)
         impl, why = model_impl(opts)
         runs = "native decoder" if impl == "native" else "transformers fallback"
-        log.info("local backend: %s runs on the %s: %s", opts.model_path or opts.model, runs, why)
+        # A warning for the fallback: it samples many times slower, which a run should not hide.
+        level = logging.INFO if impl == "native" else logging.WARNING
+        log.log(
+            level, "local backend: %s runs on the %s: %s", opts.model_path or opts.model, runs, why
+        )
         if impl == "transformers":
             _check_fallback(opts)
         seed = config.seed if opts.seed is None else opts.seed
