@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from rllm_async.backends.local.model import build_model, preset_config
@@ -26,8 +27,10 @@ def _groups(seed: int) -> tuple[list[list[int]], list[int]]:
     return seqs, starts
 
 
-def _packed_logprobs(model: torch.nn.Module, seqs: list[list[int]], starts: list[int]):
-    batch = pack(seqs, starts)
+def _packed_logprobs(
+    model: torch.nn.Module, seqs: list[list[int]], starts: list[int], share_prompts: bool = True
+):
+    batch = pack(seqs, starts, share_prompts=share_prompts)
     hidden = model.hidden(batch.inputs, batch).flatten(0, 1)[batch.index]
     chosen = torch.log_softmax(model.lm_head(hidden), -1).gather(-1, batch.targets[:, None])[:, 0]
     flat = chosen.new_zeros(len(seqs) * batch.width).index_copy(0, batch.dest, chosen)
@@ -50,6 +53,26 @@ def test_packed_logprobs_equal_each_sequence_alone() -> None:
         torch.testing.assert_close(packed[i, first:last], _own_logprobs(model, seq)[first:])
         # Outside the trained span the layout holds zeros (masked out by the loss).
         assert not packed[i, :first].any() and not packed[i, last:].any()
+
+
+def test_without_shared_prompts_each_sequence_has_a_row_from_position_zero() -> None:
+    """The layout of the transformers fallback, which runs whole sequences (`rows`)."""
+    model = build_model(preset_config("tiny", VOCAB), seed=0)
+    seqs, starts = _groups(3)
+    seqs, starts = [*seqs, seqs[5]], [*starts, starts[5]]  # a repeat reads the same row
+    batch, packed = _packed_logprobs(model, seqs, starts, share_prompts=False)
+    assert batch.inputs.shape[0] == len(seqs) - 1
+    ids, columns = batch.rows(batch.inputs)
+    assert ids is batch.inputs and columns is batch.positions
+    for r, seq in enumerate(seqs[:-1]):  # row r holds the r-th distinct sequence, from column 0
+        n = len(seq) - 1
+        assert ids[r, :n].tolist() == seq[:-1] and columns[r, :n].tolist() == list(range(n))
+    for i, seq in enumerate(seqs):
+        first, last = starts[i] - 1, len(seq) - 1
+        torch.testing.assert_close(packed[i, first:last], _own_logprobs(model, seq)[first:])
+    shared = pack(seqs, starts)
+    with pytest.raises(ValueError, match="share_prompts=False"):
+        shared.rows(shared.inputs)
 
 
 def test_packed_gradient_equals_unpacked_gradient() -> None:
