@@ -203,10 +203,12 @@ def test_on_a_gpu_the_sampler_logprobs_equal_transformers_and_a_step_trains(
 def test_a_step_trains_on_policy_and_the_sampler_gets_the_new_weights(
     checkpoints: dict[str, Path], family: str
 ) -> None:
-    cfg = make_config(checkpoints[family], algorithm={"loss": {"kl_coef": 0.05}})
+    path = checkpoints[family]
+    cfg = make_config(path, algorithm={"loss": {"kl_coef": 0.05}})
 
     async def main() -> None:
         backend = LocalBackend.from_config(cfg)
+        pinned = backend.policy().acquire()  # an episode that keeps the starting weights
         groups = [await sample_group(backend, "ab"), await sample_group(backend, "abcd")]
         before = params(backend)
         metrics = await backend.forward_backward(groups, cfg.algorithm.loss)
@@ -223,6 +225,14 @@ def test_a_step_trains_on_policy_and_the_sampler_gets_the_new_weights(
         metrics = await backend.forward_backward([group], cfg.algorithm.loss)
         assert metrics["loss/sampler_kl"] < 1e-8
         assert metrics["loss/kl_ref"] > 0
+        # The pinned episode still samples from the checkpoint's own weights.
+        prompt = group.trajectories[0].steps[0].prompt_ids
+        params_ = SamplingParams(temperature=TEMPERATURE, max_tokens=12, seed=5)
+        old = await backend.policy().generate(prompt, params_, version=pinned)
+        assert old.versions == [0] * len(old.ids)
+        expected = transformers_logprobs(path, prompt, old.ids)
+        assert old.logprobs == pytest.approx(expected, abs=1e-4)
+        backend.policy().release(pinned)
         await backend.close()
 
     asyncio.run(main())
