@@ -3,7 +3,10 @@
 The same agent three ways (configs in examples/calculator/): `MultiTurnWorkflow` with `calc`, the
 hand-written workflow class `CalculatorAgent`, and `openai_agent`, a plain `openai`-client loop
 trained through the gateway with `OpenAIAgentWorkflow`. The warm start mixes transcripts that use
-the tool with ones that guess the product, so RL has a choice to learn: call the tool.
+the tool with ones that guess the product, so RL has a choice to learn: call the tool. The reward
+gives partial credit along the way to the answer (a well-formed call, then the right expression,
+then the right answer), so that groups differ from the first step on; only a right call followed
+by the right answer earns the top reward.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from rllm_async.workflows.multi_turn import Tool
 
 MAX_TURNS = 3
 MAX_EXPR_CHARS = 32
+CALL_REWARD = 0.2  # the conversation calls `calc` in the tool-call syntax
+EXPRESSION_REWARD = 0.3  # and one of its calls computes the product asked for
+ANSWER_REWARD = 0.5  # the final answer states the product
 
 
 def calc(expr: str) -> str:
@@ -49,10 +55,36 @@ def generator(n: int = 1000, seed: int = 0, low: int = 10, high: int = 99) -> li
 
 
 def reward(task: dict[str, Any], messages: list[dict[str, Any]]) -> tuple[float, bool]:
-    """1 when the conversation ends with the assistant stating the product, else 0."""
+    """(reward, is_correct): CALL_REWARD for a call of `calc`, EXPRESSION_REWARD more when a call
+    computes the product, ANSWER_REWARD more when the last message states it; correct when it
+    does. A right guess without the tool earns ANSWER_REWARD only: the top reward needs the tool."""
+    results = [calc_result(call) for m in messages for call in m.get("tool_calls") or ()]
     last = messages[-1] if messages else {}
-    ok = last.get("role") == "assistant" and str(last.get("content", "")).strip() == task["answer"]
-    return float(ok), ok
+    answered = (
+        last.get("role") == "assistant" and str(last.get("content") or "").strip() == task["answer"]
+    )
+    score = (
+        CALL_REWARD * any(r is not None for r in results)
+        + EXPRESSION_REWARD * (task["answer"] in results)
+        + ANSWER_REWARD * answered
+    )
+    return round(score, 6), answered
+
+
+def calc_result(call: Any) -> str | None:
+    """What an OpenAI-style tool call of `calc` returns; None for a call of anything else."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or fn.get("name") != "calc":
+        return None
+    arguments = fn.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return calc(str(arguments.get("expr", "")))
 
 
 def tool_call_text(expr: str) -> str:
@@ -105,11 +137,15 @@ class CalculatorAgent(Workflow):
 
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
         messages: list[dict[str, Any]] = [{"role": "user", "content": task["prompt"]}]
+        stats = {"turns": 0.0, "tool_calls": 0.0, "tool_errors": 0.0}  # as MultiTurnWorkflow's
         termination = Termination.MAX_TURNS
         for _ in range(self.max_turns):
             turn = await ctx.chat_turn(messages, tools=[self.tool.schema])
             messages.append(turn.message)
             calls = turn.message.get("tool_calls", [])
+            stats["turns"] += 1
+            stats["tool_calls"] += len(calls)
+            stats["tool_errors"] += len(turn.tool_call_errors)
             if not calls and not turn.tool_call_errors:
                 termination = Termination.DONE
                 break
@@ -123,6 +159,7 @@ class CalculatorAgent(Workflow):
         ctx.set_reward(score)
         episode = ctx.build_episode(None)
         episode.is_correct, episode.termination = correct, termination
+        episode.metrics.update(stats)
         return episode
 
 
