@@ -387,6 +387,7 @@ class _Fit:
         self._count_groups(counts)
         record.add(record.step_metrics(counts, loop.time(), coord.take_generation_idle()))
         record.add({"data/epoch": self.source.epoch, "train/groups": num_groups})
+        record.add({f"workflow/{k}": v for k, v in self.workflow.step_metrics().items()}, "last")
         finished = await self.evals.after_step(step, evals)
         if finished:
             record.add(finished[0], EVALUATION)

@@ -35,3 +35,8 @@ class Workflow(ABC):
     async def close(self) -> None:
         """Release what `start` started; the trainer calls it once at the end."""
         return None
+
+    def step_metrics(self) -> dict[str, float]:
+        """Figures of the workflow's own, not of any one episode (counts since the last call,
+        levels now); the trainer takes them once per step into its record as `workflow/<key>`."""
+        return {}

@@ -10,7 +10,8 @@ trainer's one path: admission, staleness bound, advantages, the step record.
 
 Expiry: a session without a reward closes `session_ttl_s` after it opened, and an incomplete
 group's episodes are dropped `group_ttl_s` after its first reward; neither is ever trained, and
-both are counted in the record of the step that trains the next group (`episode/online_*`).
+both are counted in every step's record (`workflow/sessions_expired`, `workflow/episodes_expired`,
+since the previous record).
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ import hashlib
 import json
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rllm_async.backends.base import PolicyClient, SamplingParams
-from rllm_async.metrics import Reduce
 from rllm_async.rollout import RolloutContext
 from rllm_async.rollout.reply_parser import reply_parser
 from rllm_async.types import Episode
@@ -100,12 +100,6 @@ class OnlineWorkflow(Workflow):
     that reaches it), serving the policy as `model`; every session samples with `sampling`'s
     temperature and top_p (the loss assumes them), its replies read by the named parsers.
     """
-
-    metric_reductions: ClassVar[dict[str, Reduce]] = {
-        "online_sessions_expired": "sum",
-        "online_episodes_expired": "sum",
-        "online_pending": "last",
-    }
 
     def __init__(
         self,
@@ -186,13 +180,18 @@ class OnlineWorkflow(Workflow):
         claim.delivered.add(ctx.rollout_index)
         if len(claim.delivered) == len(group) and self._claims.get(key) is claim:
             del self._claims[key]
-        episode = group[ctx.rollout_index]
-        if ctx.rollout_index == 0:  # the counts since the previous group, once per group
-            episode.metrics["online_sessions_expired"] = float(self._expired_sessions)
-            episode.metrics["online_episodes_expired"] = float(self._expired_episodes)
-            episode.metrics["online_pending"] = float(self.groups.pending)
-            self._expired_sessions = self._expired_episodes = 0
-        return episode
+        return group[ctx.rollout_index]
+
+    def step_metrics(self) -> dict[str, float]:
+        """Sessions and episodes expired since the last record, and episodes waiting for their
+        group to fill now."""
+        out = {
+            "sessions_expired": float(self._expired_sessions),
+            "episodes_expired": float(self._expired_episodes),
+            "episodes_pending": float(self.groups.pending),
+        }
+        self._expired_sessions = self._expired_episodes = 0
+        return out
 
     def _rewarded(self, session: Session) -> None:
         """A client reported `session`'s reward: its episode joins its group."""

@@ -146,7 +146,7 @@ def test_rewarded_episodes_are_trained_expired_and_refused_ones_are_not(tmp_path
     second = records[1]
     assert second["groups/dropped_stale"] == 1 and second["groups/consumed"] == 1
     assert second["reward/mean"] == 0.5 and second["staleness/max"] == 0
-    assert sum(r.get("episode/online_sessions_expired", 0) for r in records) == 1
+    assert sum(r.get("workflow/sessions_expired", 0) for r in records) == 1
     assert all(r["staleness/max"] <= 0 for r in records)
 
 
