@@ -44,8 +44,8 @@ class Evaluator:
         version: int | None = None,
     ) -> dict[str, float]:
         """The `eval/*` metrics of `version` (one the caller acquired and releases; None: the
-        current version, acquired here). `background`: its requests queue behind rollouts
-        (`SamplingParams.priority` 1)."""
+        current version, acquired here). `background`: its requests let rollouts go first for a
+        while (`SamplingParams.priority` 1)."""
         if not self.tasks:
             return {}
         cfg = self.config

@@ -29,8 +29,8 @@ class SamplingParams:
     max_tokens: int = 64
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    # Lower is served first where a backend queues requests (the local sampler); evaluations
-    # running beside training use 1, so that rollouts go first.
+    # Where a backend queues requests (the local sampler), a higher value ranks as a later
+    # arrival; evaluations running beside training use 1, so that rollouts go first for a while.
     priority: int = 0
 
     def updated(self, **changes: Any) -> SamplingParams:

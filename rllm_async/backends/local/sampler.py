@@ -3,7 +3,9 @@
 Requests from many asyncio workflows join the batch between decode steps and leave it as soon as
 they finish; each occupies one slot of a KV cache. Requests on different weight versions (pinned
 episodes) share the cache but are decoded in one forward pass per version. Free slots go to queued
-requests by `SamplingParams.priority`, then in arrival order.
+requests in arrival order, each priority value counting as an arrival `PRIORITY_DELAY_S` later: a
+request of priority 1 (an evaluation beside training) lets rollouts that come within that time go
+first, and is never starved by a steady stream of them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import heapq
 import itertools
 import random
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +28,10 @@ from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
 from rllm_async.backends.local.cache import KVCache
 from rllm_async.backends.local.snapshots import WeightStore
 from rllm_async.backends.local.transformers_model import Decoder, TokenCache, TransformersModel
+
+# How much later than its arrival a queued request of priority 1 ranks (2 for priority 2...):
+# longer than a rollout's model call usually waits for a slot, short next to an evaluation.
+PRIORITY_DELAY_S = 2.0
 
 
 @dataclass(eq=False)
@@ -95,8 +102,8 @@ class Sampler:
             )
         self._free = list(range(max_batch))
         self.peak_batch = 0  # most requests decoded in one step, for tests and benchmarks
-        # Queued requests by (priority, arrival): lower priority first, then first come.
-        self._pending: list[tuple[int, int, _Request]] = []
+        # Queued requests by (arrival time + priority delay, arrival number).
+        self._pending: list[tuple[float, int, _Request]] = []
         self._arrivals = itertools.count()
         self._active: list[_Request] = []
         self._ended: list[_Request] = []  # for `_deliver`
@@ -134,7 +141,8 @@ class Sampler:
         with self._wake:
             if self._closed.is_set():
                 raise RuntimeError("the sampler is closed")
-            heapq.heappush(self._pending, (params.priority, next(self._arrivals), request))
+            rank = time.monotonic() + params.priority * PRIORITY_DELAY_S
+            heapq.heappush(self._pending, (rank, next(self._arrivals), request))
             self._wake.notify()
         return await future
 

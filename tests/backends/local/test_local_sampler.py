@@ -243,6 +243,8 @@ def test_callers_on_event_loops_of_their_own_share_the_sampler() -> None:
 
 
 def test_free_slots_go_to_lower_priority_values_first_then_in_arrival_order() -> None:
+    """Among requests queued together; see the next test for requests queued apart."""
+
     async def main() -> None:
         backend = make_backend(max_batch=1)  # one slot: requests are admitted one at a time
         policy = backend.policy()
@@ -261,6 +263,36 @@ def test_free_slots_go_to_lower_priority_values_first_then_in_arrival_order() ->
             await asyncio.sleep(0)  # each call queues its request
         await asyncio.wait_for(asyncio.gather(*calls), 30)
         assert order == [1, 3, 4, 7, 0, 2, 5, 6]
+        await backend.close()
+
+    asyncio.run(main())
+
+
+def test_a_lower_priority_request_goes_first_once_it_has_waited_its_delay(monkeypatch) -> None:
+    """A steady stream of rollouts cannot starve an evaluation's request: it ranks as if it had
+    arrived `PRIORITY_DELAY_S` later, so rollouts queued after that go behind it."""
+    from rllm_async.backends.local import sampler as sampler_module
+
+    clock = [100.0]
+    monkeypatch.setattr(sampler_module.time, "monotonic", lambda: clock[0])
+
+    async def main() -> None:
+        backend = make_backend(max_batch=1)
+        policy = backend.policy()
+        p = prompt(backend, "priority")
+        order: list[str] = []
+        with backend.sampler._wake:  # nothing is admitted until every request is queued
+            calls = []
+            delay = sampler_module.PRIORITY_DELAY_S
+            for name, priority, after in [("eval", 1, 0.0), ("early", 0, 0.5), ("late", 0, 1.5)]:
+                clock[0] = 100.0 + after * delay
+                params = SamplingParams(max_tokens=2, seed=0, priority=priority)
+                call = asyncio.ensure_future(policy.generate(p, params))
+                call.add_done_callback(lambda _, name=name: order.append(name))
+                calls.append(call)
+                await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(*calls), 30)
+        assert order == ["early", "eval", "late"]
         await backend.close()
 
     asyncio.run(main())
