@@ -9,7 +9,12 @@ seed and steps. Prints one JSON line:
   per episode, the same windows), correct_end (share of episodes whose answer is the product);
 - curve: per `--window` steps, [last step, sync mean reward, async mean reward].
 
-Usage: python benchmarks/calculator_learning.py [--steps 30] [--window 5]
+`--config examples/calculator/openai_agent.yaml --modes async` trains the same agent written as a
+plain `openai`-client loop through the gateway instead (its JSON line has no curve of the mode
+left out).
+
+Usage: python benchmarks/calculator_learning.py [--steps 30] [--window 5] [--config PATH]
+       [--modes sync async]
 """
 
 from __future__ import annotations
@@ -23,10 +28,8 @@ from typing import Any
 from rllm_async.config import load_config
 from rllm_async.trainer import UnifiedTrainer
 
-CONFIG = "examples/calculator/workflow.yaml"
 
-
-def train(mode: str, steps: int, run_dir: str) -> tuple[list[dict[str, Any]], float]:
+def train(config: str, mode: str, steps: int, run_dir: str) -> tuple[list[dict[str, Any]], float]:
     """The run's per-step records and its wall-clock seconds (warm start excluded: it is cached)."""
     overrides = [
         f"name=bench-{mode}",
@@ -41,7 +44,7 @@ def train(mode: str, steps: int, run_dir: str) -> tuple[list[dict[str, Any]], fl
     ]
     if mode == "sync":
         overrides += ["coordinator.pipeline_depth=0", "coordinator.max_staleness=0"]
-    trainer = UnifiedTrainer(load_config(CONFIG, overrides))
+    trainer = UnifiedTrainer(load_config(config, overrides))
     start = time.perf_counter()
     records = trainer.run()
     return records, time.perf_counter() - start
@@ -70,17 +73,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--window", type=int, default=5)
+    parser.add_argument("--config", default="examples/calculator/workflow.yaml")
+    parser.add_argument("--modes", nargs="+", choices=("sync", "async"), default=["sync", "async"])
     args = parser.parse_args()
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("sync", "async"):
-            runs[mode] = train(mode, args.steps, tmp)
-    sync, async_ = runs["sync"][0], runs["async"][0]
+        for mode in args.modes:
+            runs[mode] = train(args.config, mode, args.steps, tmp)
     curve = [
         [
             end,
-            mean(sync[end - args.window : end], "rollout/reward/mean"),
-            mean(async_[end - args.window : end], "rollout/reward/mean"),
+            *(
+                mean(records[end - args.window : end], "rollout/reward/mean")
+                for records, _ in runs.values()
+            ),
         ]
         for end in range(args.window, args.steps + 1, args.window)
     ]
