@@ -338,7 +338,9 @@ class _Fit:
         version = coord.version + 1
         hook_s = sync_s = 0.0
         if coord.sync_due(version) or version >= self.config.train.total_steps:
+            self.workload.phase(loop.time(), "sync")
             hook_s, sync_s = await coord.update_policy(version)
+            self.workload.phase(loop.time(), None)
         else:
             coord.advance(version)
         record.add(
@@ -354,11 +356,13 @@ class _Fit:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         groups = [g for ready in micro for g in ready.groups]
+        self.workload.phase(t0, "train")
         self.record.add(
             await self.backend.forward_backward(groups, self.config.algorithm.loss),
             FORWARD_BACKWARD,
         )
         seconds = loop.time() - t0
+        self.workload.phase(t0 + seconds, None)
         self.record.add({"time/forward_backward_s": seconds})
         self.workload.trained(sum(g.num_completion_tokens for g in groups), seconds)
 

@@ -4,7 +4,10 @@ Bounded in size: rollouts are a reservoir sample of at most `cap` rows, steps th
 Each rollout also carries the mean number of rollouts active while it ran and, for each `c` in
 `OFFSETS`, the integral of dt / (active + c) over its life: under processor sharing with
 R(n) = rmax n / (n + n_half) a rollout of L tokens has L = rmax * that integral at c = n_half, so
-the engine's decode rate as a function of concurrency can be fitted from the rows alone.
+the engine's decode rate as a function of concurrency can be fitted from the rows alone. The
+same integrals over the time the learner was training (`inv_train`) and syncing weights
+(`inv_sync`) tell how much of that rate generation keeps beside each: none during a sync that
+pauses the engine, a fraction while training shares the engine's processors.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from rllm_async.types import Episode
 FILE_NAME = "workload.jsonl"
 CAP = 2048
 OFFSETS = (0.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
+PHASES = ("train", "sync")  # what the learner may be doing beside generation
 
 
 @dataclass(slots=True)
@@ -34,6 +38,10 @@ class RolloutRow:
     active: float
     inv: list[float]
     tool_s: float | None = None
+    # The parts of `inv` spent while the learner trained and synced weights (None: recorded
+    # before these were, read as generation beside nothing).
+    inv_train: list[float] | None = None
+    inv_sync: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -55,7 +63,7 @@ class _Kept:
     slot: int
     start: float
     area: float
-    inv: list[float]
+    inv: list[list[float]]  # the recorder's integrals at the start: in all, then per phase
 
 
 @dataclass(slots=True)
@@ -87,7 +95,9 @@ class WorkloadRecorder:
         self._started = 0
         self._active = 0
         self._area = 0.0  # integral of the active count over time
-        self._inv = [0.0] * len(OFFSETS)  # integrals of dt / (active + c), c in OFFSETS
+        # Integrals of dt / (active + c), c in OFFSETS: over all time, then over each phase.
+        self._inv = [[0.0] * len(OFFSETS) for _ in range(1 + len(PHASES))]
+        self._phase = 0  # 0: none, else 1 + the index in PHASES
         self._t_last = start
         self._tokens = 0
         self._train_s = 0.0
@@ -97,8 +107,15 @@ class WorkloadRecorder:
         if dt > 0 and self._active:
             self._area += self._active * dt
             n = self._active
-            self._inv = [j + dt / (n + c) for j, c in zip(self._inv, OFFSETS, strict=True)]
+            step = [dt / (n + c) for c in OFFSETS]
+            for k in (0, self._phase) if self._phase else (0,):
+                self._inv[k] = [j + d for j, d in zip(self._inv[k], step, strict=True)]
         self._t_last = now
+
+    def phase(self, now: float, name: str | None) -> None:
+        """From `now` the learner is doing `name` (one of `PHASES`), or nothing (None)."""
+        self._advance(now)
+        self._phase = 0 if name is None else 1 + PHASES.index(name)
 
     def started(self, now: float) -> _Kept | None:
         """A rollout started; the token to hand to `finished` (None when it is not kept)."""
@@ -110,7 +127,7 @@ class WorkloadRecorder:
             slot = self._rng.randrange(self._started)
             if slot >= self.cap:
                 return None
-        return _Kept(slot, now, self._area, self._inv)
+        return _Kept(slot, now, self._area, list(self._inv))
 
     def finished(self, now: float, token: _Kept | None, episode: Episode | None) -> None:
         """A rollout ended; recorded when it was kept and produced an episode."""
@@ -123,6 +140,10 @@ class WorkloadRecorder:
         steps = [s for t in episode.trajectories for s in t.steps]
         tool_s = episode.metrics.get("time/tool_s")
         elapsed = now - token.start
+        inv = [
+            [b - a for a, b in zip(old, new, strict=True)]
+            for old, new in zip(token.inv, self._inv, strict=True)
+        ]
         self._rows[token.slot] = RolloutRow(
             start=token.start,
             end=now,
@@ -130,8 +151,10 @@ class WorkloadRecorder:
             completion=episode.num_completion_tokens,
             turns=len(steps),
             active=(self._area - token.area) / elapsed if elapsed > 0 else float(self._active + 1),
-            inv=[b - a for a, b in zip(token.inv, self._inv, strict=True)],
+            inv=inv[0],
             tool_s=None if tool_s is None else float(tool_s),
+            inv_train=inv[1],
+            inv_sync=inv[2],
         )
 
     @property
