@@ -62,6 +62,7 @@ def run_config(
         "time_s": sim_s,
         "wall_s": wall_s,
         "steps": len(records),
+        "first_step_s": records[0]["time/step_s"] if records else 0.0,
         "t_ideal_s": max(trained_tokens / full_rate, train_s),
         "waste": _waste(records),
         "waste_steady": _waste(records[:-1] or records),

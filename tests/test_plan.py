@@ -146,3 +146,20 @@ def test_the_replay_filters_groups_at_the_recorded_rate(small_run: Path) -> None
     out = replay(f, recorded_candidate(f), 12)
     assert 0.25 < out["waste_steady"] < 0.55  # filtered groups' tokens are wasted
     assert out["steps"] == 12
+
+
+def test_the_fit_recovers_how_much_decoding_slows_beside_training_and_syncs(
+    tmp_path: Path,
+) -> None:
+    run = _record(
+        tmp_path,
+        "coordinator.pipeline_depth=2",
+        "coordinator.max_staleness=null",
+        "backend.train_share=0.5",
+        "backend.sync_share=0.0",
+    )
+    f = fit(read_workload(run))
+    assert (f.train_share, f.sync_share) == (0.5, 0.0)
+    assert f.rmax == pytest.approx(20000.0, rel=0.02) and f.n_half == 64.0
+    predicted = replay(f, recorded_candidate(f), STEPS)["step_s"]
+    assert predicted == pytest.approx(f.measured_step_s, rel=0.05)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import pytest
 
 from rllm_async.backends.sim import workload_config
 from rllm_async.trainer import UnifiedTrainer
@@ -87,3 +90,31 @@ def test_steps_gather_their_forward_backward_calls() -> None:
     rec.step(2, 3.0, 0.1, 0.2)
     rec.step(3, 4.0, 0.1, 0.2)
     assert [(s.step, s.tokens, s.train_s) for s in rec.workload.steps] == [(1, 150, 1.5), (2, 0, 0)]
+
+
+def test_the_integrals_are_split_by_what_the_learner_was_doing() -> None:
+    # One rollout alone from 0 to 4 s: training 1-2 s, a weight sync 3-3.5 s, nothing otherwise.
+    rec = WorkloadRecorder({"mode": "async"})
+    token = rec.started(0.0)
+    rec.phase(1.0, "train")
+    rec.phase(2.0, None)
+    rec.phase(3.0, "sync")
+    rec.phase(3.5, None)
+    rec.finished(4.0, token, _episode(8))
+    row = rec.workload.rollouts[0]
+    assert row.inv == [pytest.approx(4.0 / (1 + c)) for c in OFFSETS]
+    assert row.inv_train == [pytest.approx(1.0 / (1 + c)) for c in OFFSETS]
+    assert row.inv_sync == [pytest.approx(0.5 / (1 + c)) for c in OFFSETS]
+
+
+def test_a_record_from_before_the_split_reads_with_no_phases(tmp_path: Path) -> None:
+    rec = WorkloadRecorder({"mode": "sync"})
+    rec.finished(1.0, rec.started(0.0), _episode(4))
+    path = write_workload(rec.workload, tmp_path / FILE_NAME)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for line in lines:
+        line.pop("inv_train", None)
+        line.pop("inv_sync", None)
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    row = read_workload(path).rollouts[0]
+    assert row.inv_train is None and row.inv_sync is None and row.completion == 4

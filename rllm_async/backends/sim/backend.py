@@ -2,7 +2,8 @@
 
 Generation runs on a simulated inference server (`server.py`). Training takes completion tokens /
 train_rate seconds (recomputing old logprobs, a forward pass only, a third of that), each optimizer
-step t_optim; weight syncs take t_sync. Used by tests, benchmarks and to dry-run a schedule.
+step t_optim; weight syncs take t_sync. While training and syncing, generation decodes at
+train_share and sync_share of its rate. Used by tests, benchmarks and to dry-run a schedule.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class SimBackend:
         tokens = sum(g.num_completion_tokens for g in groups)
         seconds = tokens / self.train_rate if self.opts.latency == "ps" else 0.0
         if seconds:
-            await asyncio.sleep(seconds)
+            await self._beside_generation(seconds, self.opts.train_share)
         if self._open_step is None:
             self._open_step = []
             self.trained.append(self._open_step)
@@ -117,7 +118,7 @@ class SimBackend:
     async def on_policy_updated(self, version: int) -> None:
         """Sleep t_sync, then serve `version`; a faulty version hangs or fails at its first try."""
         if self.opts.latency == "ps" and self.opts.t_sync:
-            await asyncio.sleep(self.opts.t_sync)
+            await self._beside_generation(self.opts.t_sync, self.opts.sync_share)
         first_attempt = version not in self._faulted
         if first_attempt and _every(self.opts.sync_hang_every, version):
             self._faulted.add(version)
@@ -132,6 +133,17 @@ class SimBackend:
             )
         self.version = version
         self._policy.set_version(version)
+
+    async def _beside_generation(self, seconds: float, share: float) -> None:
+        """Take `seconds` during which generation decodes at `share` of its rate."""
+        engine = self._policy.engine
+        if engine is not None:
+            engine.set_speed(share)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            if engine is not None:
+                engine.set_speed(1.0)
 
     async def save(self, path: Path) -> None:
         path = Path(path)

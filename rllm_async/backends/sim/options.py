@@ -24,6 +24,10 @@ class SimOptions(BaseModel):
     train_ratio: float | None = Field(default=None, gt=0.0)  # T_train / T_gen(sync) per step
     t_sync: float = Field(default=0.5, ge=0.0)
     t_optim: float = Field(default=0.0, ge=0.0)  # seconds of each optimizer step
+    # The share of the decode rate generation keeps while the learner trains and while it syncs
+    # weights: 1 on devices of their own, below 1 on shared processors, 0 where a sync pauses.
+    train_share: float = Field(default=1.0, ge=0.0, le=1.0)
+    sync_share: float = Field(default=1.0, ge=0.0, le=1.0)
     sync_fail_every: int = Field(default=0, ge=0)  # 0: never
     sync_hang_every: int = Field(default=0, ge=0)  # 0: never
     # The rollout-length distribution train_ratio is calibrated on; from_config takes any of

@@ -85,7 +85,8 @@ class _Job:
 
 
 class ProcessorSharing:
-    """Decode slots shared evenly: with n active, each sequence gets rmax / (n + n_half) tokens/s.
+    """Decode slots shared evenly: with n active, each sequence gets rmax / (n + n_half) tokens/s,
+    times `speed` (below 1 while something else holds the engine's processors, 0 while paused).
 
     All active sequences get the same rate, so one counter, the service each has attained
     (`level`), tells when each finishes: at its start level plus its length. A heap of finish
@@ -97,6 +98,7 @@ class ProcessorSharing:
         self.n_half = n_half
         self.slots = slots
         self.active = 0
+        self.speed = 1.0
         self._level = 0.0
         self._t_last = 0.0
         self._heap: list[tuple[float, int, _Job]] = []
@@ -115,18 +117,29 @@ class ProcessorSharing:
         self._advance()
         return self._level
 
+    def set_speed(self, speed: float) -> None:
+        """From now on decode at `speed` times the rate (0: paused, 1: the full rate)."""
+        self._use_running_loop()
+        self._advance()
+        self.speed = speed
+        self._changed()
+
     def submit(self, length: int) -> _Job:
         """Queue a sequence of `length` tokens; `job.done` resolves when it has decoded them all."""
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop and self.active == 0:
-            # A new event loop (a new run): nothing armed on the old one carries over.
-            self._loop, self._timer, self._rescheduling = loop, None, False
+        loop = self._use_running_loop()
         job = _Job(length, loop.create_future())
         if self.active < self.slots:
             self._start(job)
         else:
             self._queue.append(job)
         return job
+
+    def _use_running_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop and self.active == 0:
+            # A new event loop (a new run): nothing armed on the old one carries over.
+            self._loop, self._timer, self._rescheduling = loop, None, False
+        return loop
 
     def cancel(self, job: _Job) -> None:
         """Withdraw a sequence (its caller was cancelled); a finished one is left alone."""
@@ -156,7 +169,8 @@ class ProcessorSharing:
             return
         now = self._loop.time()
         if self.active:
-            self._level += (now - self._t_last) * self.rmax / (self.active + self.n_half)
+            rate = self.speed * self.rmax / (self.active + self.n_half)
+            self._level += (now - self._t_last) * rate
         self._t_last = now
 
     def _start(self, job: _Job) -> None:
@@ -188,9 +202,9 @@ class ProcessorSharing:
         heap = self._heap
         while heap and heap[0][2].state != _ACTIVE:
             heappop(heap)
-        if heap and self._loop is not None:
+        if heap and self._loop is not None and self.speed > 0:
             self._advance()
-            dt = (heap[0][0] - self._level) * (self.active + self.n_half) / self.rmax
+            dt = (heap[0][0] - self._level) * (self.active + self.n_half) / (self.speed * self.rmax)
             self._timer = self._loop.call_at(self._t_last + max(dt, 0.0), self._complete)
 
     def _complete(self) -> None:

@@ -390,3 +390,43 @@ def test_workloads_build_valid_configs() -> None:
     assert w4.workflow.args["hang_rate"] == 0.005 and w4.backend.options["sync_fail_every"] == 50
     with pytest.raises(ConfigError, match="unknown sim workload"):
         workload_config("W9")
+
+
+def test_a_sync_with_sync_share_zero_pauses_decoding_for_its_length() -> None:
+    # 100 tokens alone at 1000 / (1 + 1) = 500 tok/s take 0.2 s; a 0.5 s sync starting at 0.1 s
+    # stops the clock of the sequence, so it ends at 0.7 s, and at 0.2 s with the full share.
+    def finish(sync_share: float) -> float:
+        backend = SimBackend(SimOptions(rmax=1000, n_half=1, t_sync=0.5, sync_share=sync_share))
+
+        async def main() -> float:
+            async def sync() -> None:
+                await asyncio.sleep(0.1)
+                await backend.on_policy_updated(1)
+
+            (t, _), _ = await asyncio.gather(_timed_generate(backend.policy(), 100), sync())
+            return t
+
+        return vclock.run(main(), virtual=True)
+
+    assert finish(0.0) == pytest.approx(0.7, abs=1e-9)
+    assert finish(1.0) == pytest.approx(0.2, abs=1e-9)
+
+
+def test_training_with_train_share_slows_decoding_by_that_share() -> None:
+    # 500 tok/s alone; 0.1 s of training (100 tokens at 1000 tok/s) at a quarter of the rate
+    # decodes 12.5 tokens, the other 87.5 take 0.175 s after: the sequence takes 0.275 s.
+    backend = SimBackend(SimOptions(rmax=1000, n_half=1, train_rate=1000, train_share=0.25))
+    policy = backend.policy()
+    task = synthetic_tasks(1)[0]
+
+    async def main() -> float:
+        ctx = _ctx(policy, task["id"])
+        await ctx.generate([1], max_tokens=100)
+        ctx.close()
+        group = TrajectoryGroup(task["id"], "default", [ctx.trajectory()], [0.0])
+        start = asyncio.get_running_loop().time()
+        train = backend.forward_backward([group], LossConfig())
+        (t, _), _ = await asyncio.gather(_timed_generate(policy, 100), train)
+        return t - start
+
+    assert vclock.run(main(), virtual=True) == pytest.approx(0.275, abs=1e-9)
