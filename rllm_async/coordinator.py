@@ -121,6 +121,7 @@ class SyncCoordinator:
         self._changed = asyncio.Event()
         self._unpaused = asyncio.Event()
         self._unpaused.set()
+        self._no_sync: asyncio.Future[None] | None = None  # `wait_unpaused` with no sync: shared
         self._rollouts: _BusyMeter | None = None
 
     # -- admission ---------------------------------------------------------------------------
@@ -192,9 +193,11 @@ class SyncCoordinator:
         """What a new model call awaits while a weight sync is in progress; a future already done
         when none is, which callers may skip without suspending (`RolloutContext`)."""
         if self._unpaused.is_set():
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            return done
+            loop = asyncio.get_running_loop()
+            if self._no_sync is None or self._no_sync.get_loop() is not loop:
+                self._no_sync = loop.create_future()
+                self._no_sync.set_result(None)
+            return self._no_sync
         return self._sync_end()
 
     async def _sync_end(self) -> None:

@@ -46,6 +46,7 @@ class Generation:
         self.slots = RolloutSlots(
             config.rollout.max_concurrency, config.rollout.late_concurrency, coordinator
         )
+        self.pin = config.coordinator.weight_update == "pin"
         self.dispatch_ids = itertools.count()
         self.breaker = FailureRateBreaker(config)
         self.no_signal = NoSignalGuard(config)
@@ -89,7 +90,7 @@ class Generation:
                     dispatch.task,
                     self.policy,
                     sampling=self.sampling,
-                    pin=self.config.coordinator.weight_update == "pin",
+                    pin=self.pin,
                     timeout_s=ro.timeout_s,
                     retries=ro.retries,
                     wait_unpaused=self.coordinator.wait_unpaused,
@@ -106,8 +107,7 @@ class Generation:
         if episode is None:
             record.add({"rollout/failures": 1})
         else:
-            record.add_episode(episode, self.workflow.metric_reductions)
-            dispatch.tokens += episode.num_completion_tokens
+            dispatch.tokens += record.add_episode(episode, self.workflow.metric_reductions)
             if episode.is_correct is not None:
                 dispatch.judged += 1
                 dispatch.correct += episode.is_correct

@@ -28,16 +28,6 @@ class Rollout:
     last_error: str = ""
 
 
-def episode_metrics(episode: Episode) -> dict[str, float]:
-    """The `rollout/*` and `tokens/*` metrics of a finished episode."""
-    tokens = episode.num_completion_tokens
-    return {
-        "rollout/reward/mean": episode.reward,
-        "episode/completion_tokens": tokens,
-        "tokens/generated": tokens,
-    }
-
-
 async def run_rollout(
     workflow: Workflow,
     task: dict[str, Any],

@@ -16,7 +16,6 @@ from rllm_async.metrics import (
     TensorBoardSink,
     WandbSink,
 )
-from rllm_async.runner import episode_metrics
 from rllm_async.types import Episode
 
 # How each metric the trainer records is reduced over a step.
@@ -118,11 +117,30 @@ class StepRecord:
         self.add(metrics)
         self._tokens += int(metrics.get("tokens/generated", 0))
 
-    def add_episode(self, episode: Episode, reductions: Mapping[str, Reduce]) -> None:
-        """A finished episode's metrics, its own reduced as its workflow's `reductions` declare."""
-        self.add_generation(episode_metrics(episode))
-        record_episode(self.metrics, "episode/", episode, reductions)
+    def add_episode(self, episode: Episode, reductions: Mapping[str, Reduce]) -> int:
+        """A finished episode's metrics (reward, completion tokens), its own reduced as its
+        workflow's `reductions` declare; returns its completion tokens, counted once here."""
+        tokens = episode.num_completion_tokens
+        record = self.metrics.record
+        record("rollout/reward/mean", episode.reward, REDUCTIONS["rollout/reward/mean"])
+        record("episode/completion_tokens", tokens, REDUCTIONS["episode/completion_tokens"])
+        record("tokens/generated", tokens, REDUCTIONS["tokens/generated"])
+        self._tokens += tokens
+        if episode.metrics:
+            record_episode(self.metrics, "episode/", episode, reductions)
         self._episodes += 1
+        return tokens
+
+    def add_consumed(self, ready: ReadyGroup, staleness: int) -> None:
+        """A group taken for training: each episode's reward and correctness, and the group's
+        staleness."""
+        record = self.metrics.record
+        for episode in ready.episodes:
+            record("reward/mean", episode.reward, REDUCTIONS["reward/mean"])
+            if episode.is_correct is not None:
+                record("episode/correct", float(episode.is_correct), REDUCTIONS["episode/correct"])
+        record("staleness/mean", staleness, REDUCTIONS["staleness/mean"])
+        record("staleness/max", staleness, REDUCTIONS["staleness/max"])
 
     def group_counts(self, counts: dict[str, int]) -> bool:
         """Add how many groups ended each way since the last record; False if none did."""
@@ -184,18 +202,6 @@ def solved_metrics(dispatch: Dispatch, group_size: int) -> dict[str, float]:
         "groups/solve_all": float(dispatch.correct == group_size),
         "groups/solve_none": float(dispatch.correct == 0),
     }
-
-
-def consumed_metrics(ready: ReadyGroup, staleness: int) -> list[dict[str, float]]:
-    """The metrics of a group taken for training: each episode's reward and correctness, and the
-    group's staleness."""
-    out: list[dict[str, float]] = []
-    for episode in ready.episodes:
-        out.append({"reward/mean": episode.reward})
-        if episode.is_correct is not None:
-            out.append({"episode/correct": float(episode.is_correct)})
-    out.append({"staleness/mean": staleness, "staleness/max": staleness})
-    return out
 
 
 def sinks(cfg: Config, initial_step: int) -> list[MetricsSink]:

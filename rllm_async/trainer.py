@@ -34,7 +34,6 @@ from rllm_async.step_record import (
     FORWARD_BACKWARD,
     OPTIM_STEP,
     StepRecord,
-    consumed_metrics,
     sinks,
 )
 from rllm_async.workflows.base import Workflow
@@ -315,8 +314,7 @@ class _Fit:
                     self.source.requeue(ready.dispatch.task)
                 continue
             coord.move(GroupState.BUFFERED, GroupState.CONSUMED)
-            for metrics in consumed_metrics(ready, coord.staleness(ready.min_version)):
-                record.add(metrics)
+            record.add_consumed(ready, coord.staleness(ready.min_version))
             taken.append(ready)
             micro.append(ready)
             if len(micro) == cfg.train.micro_batch_groups:

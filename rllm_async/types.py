@@ -70,7 +70,7 @@ class Trajectory:
 
     @property
     def min_version(self) -> int | None:
-        versions = [v for s in self.steps if (v := s.min_version) is not None]
+        versions = [min(s.versions) for s in self.steps if s.versions]
         return min(versions) if versions else None
 
     def sequences(self) -> list[TokenSequence]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from statistics import NormalDist
 
 import numpy as np
@@ -34,10 +35,7 @@ def uniforms(*key: object, n: int) -> list[float]:
     """n uniform draws in (0, 1) fixed by `key` alone, not by scheduling order or PYTHONHASHSEED."""
     digest = hashlib.blake2b("\x1f".join(map(str, key)).encode(), digest_size=8 * n).digest()
     # 52 bits keep (k + 0.5) / 2**52 exactly representable and strictly inside (0, 1).
-    return [
-        ((int.from_bytes(digest[8 * i : 8 * i + 8], "little") >> 12) + 0.5) / 2**52
-        for i in range(n)
-    ]
+    return [((k >> 12) + 0.5) / 2**52 for k in struct.unpack(f"<{n}Q", digest)]
 
 
 def task_difficulty(task_id: str) -> float:

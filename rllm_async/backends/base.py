@@ -37,8 +37,8 @@ class SamplingParams:
         """A copy with `changes` applied (a hot path: cheaper than dataclasses.replace)."""
         if not changes:
             return self
-        unknown = changes.keys() - _SAMPLING_FIELDS
-        if unknown:
+        if not changes.keys() <= _SAMPLING_FIELDS:
+            unknown = changes.keys() - _SAMPLING_FIELDS
             raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
         get = changes.get
         return SamplingParams(

@@ -163,7 +163,9 @@ class RolloutContext:
                 "shorten the conversation or raise the backend's context (backend.max_seq_len)"
             )
         params = self.sampling.updated(**sampling)
-        await self._wait_out_sync()
+        waiting = self._wait_unpaused()
+        if not (isinstance(waiting, asyncio.Future) and waiting.done()):
+            await self._wait_out_sync(waiting)
         if self._pin and self._version is None:
             self._version = self.policy.acquire()
             self._owns_version = True
@@ -247,12 +249,9 @@ class RolloutContext:
         """The opening of a forced tool call in the policy's syntax: `name`'s call, or any call."""
         return self.parser.tool.forced_prefix(name)
 
-    async def _wait_out_sync(self) -> None:
-        """Wait while a weight sync pauses model calls, with the deadline stopped meanwhile. A wait
-        that is already over (a done future: no sync) leaves the deadline's timers alone."""
-        waiting = self._wait_unpaused()
-        if isinstance(waiting, asyncio.Future) and waiting.done():
-            return
+    async def _wait_out_sync(self, waiting: Awaitable[None]) -> None:
+        """Wait while a weight sync pauses model calls, with the deadline stopped meanwhile (a wait
+        that is already over, a done future when no sync runs, is skipped by the caller)."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         self._reschedule(stopped=True)
