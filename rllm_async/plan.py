@@ -95,6 +95,8 @@ def fit(workload: Workload) -> Fit:
         f"before the end ({workload.rollouts_seen} finished)",
         "training seconds per completion token, optimizer-step and weight-sync seconds: "
         f"{len(steps)} recorded steps",
+        "step times after the first step, which holds the engine's warm-up (measured and "
+        "replayed alike)",
     ]
     assumed = [
         "one model call per rollout decoding its recorded completion; prompt prefill, tool and "
