@@ -1,0 +1,113 @@
+"""The calculator task: its partial-credit reward, and a tool agent that learns from it.
+
+The learning test trains the `CalculatorAgent` workflow on the `tiny` preset after a brief warm
+start, once with the real reward and once with each group's rewards permuted among its rollouts
+(same rewards, no link to what a rollout did): the reward rises only with the real one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rllm_async import UnifiedTrainer
+from rllm_async.algorithms.advantages import grpo
+from rllm_async.config import load_config
+from rllm_async.health import NoSignalError
+from rllm_async.tasks import calculator
+
+
+def call(expr: Any, name: str = "calc") -> dict[str, Any]:
+    arguments = json.dumps({"expr": expr})
+    return {"id": "c", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def chat(*turns: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": "12*34=?"}, *turns]
+
+
+TASK = {"prompt": "12*34=?", "answer": "408"}
+CALLED = {"role": "assistant", "content": "", "tool_calls": [call("12*34")]}
+RESULT = {"role": "tool", "content": "408"}
+
+
+def test_reward_climbs_from_a_call_to_the_right_expression_to_the_right_answer() -> None:
+    wrong_call = {"role": "assistant", "content": "", "tool_calls": [call("12*35")]}
+    answer = {"role": "assistant", "content": "408"}
+    assert calculator.reward(TASK, chat({"role": "assistant", "content": "400"})) == (0.0, False)
+    assert calculator.reward(TASK, chat(wrong_call, RESULT)) == (0.2, False)
+    assert calculator.reward(TASK, chat(CALLED, RESULT)) == (0.5, False)
+    assert calculator.reward(TASK, chat(CALLED, RESULT, answer)) == (1.0, True)
+    # A right guess is correct, but only the tool earns the top reward.
+    assert calculator.reward(TASK, chat(answer)) == (0.5, True)
+
+
+def test_reward_gives_nothing_for_calls_of_other_tools_or_with_bad_arguments() -> None:
+    bad = {"id": "c", "type": "function", "function": {"name": "calc", "arguments": "{not json"}}
+    cases = [([call("12*34", name="other")], 0.0), ([bad], 0.0), ([call(["12*34"])], 0.2)]
+    for calls, expected in cases:  # the last: a well-formed call with a wrong argument
+        messages = chat({"role": "assistant", "content": "", "tool_calls": calls})
+        assert calculator.reward(TASK, messages) == (expected, False)
+    assert calculator.calc_result(call("__import__('os')")).startswith("error")
+
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "calculator" / "workflow.yaml"
+_PERMUTE = random.Random(0)
+
+
+def permuted_grpo(rewards: Sequence[float], normalize_std: bool = False) -> list[float]:
+    """GRPO on the group's rewards permuted among its rollouts: the same rewards, at random."""
+    shuffled = list(rewards)
+    _PERMUTE.shuffle(shuffled)
+    return grpo(shuffled, normalize_std)
+
+
+def train(tmp_path: Path, name: str, advantage: str) -> list[dict[str, Any]]:
+    """`examples/calculator/workflow.yaml` for a few steps; both runs share one warm start."""
+    overrides = [
+        f"name={name}",
+        f"run_dir={tmp_path}",
+        f"backend.warm_start.cache_dir={tmp_path / 'warm'}",
+        f"algorithm.advantage={advantage}",
+        # Sync: each step's reward is that of all 64 rollouts of one policy (async steps report
+        # the rollouts that ended first, the short guesses before the calls).
+        "mode=sync",
+        "coordinator.pipeline_depth=0",
+        "coordinator.max_staleness=0",
+        "algorithm.no_signal_steps=3",
+        "train.total_steps=20",
+        "data.train.args.n=2000",
+        "eval.every_steps=0",
+        "eval.at_end=false",
+        "checkpoint.resume=never",
+        "checkpoint.at_end=false",
+        "logging.progress_bar=false",
+    ]
+    # A permuted run may drift to never calling the tool, until no group has a signal left.
+    with contextlib.suppress(NoSignalError):
+        UnifiedTrainer(load_config(EXAMPLE, overrides)).run()
+    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def mean_reward(records: list[dict[str, Any]]) -> float:
+    values = [r["rollout/reward/mean"] for r in records if "rollout/reward/mean" in r]
+    return sum(values) / len(values)
+
+
+@pytest.mark.slow
+def test_the_tool_agent_learns_from_the_reward_and_not_from_permuted_rewards(tmp_path) -> None:
+    learned = train(tmp_path, "real", "grpo")
+    start, end = mean_reward(learned[:3]), mean_reward(learned[-5:])
+    _PERMUTE.seed(0)
+    shuffled = train(tmp_path, "permuted", "tests.tasks.test_calculator:permuted_grpo")
+    s_start, s_end = mean_reward(shuffled[:3]), mean_reward(shuffled[-5:])
+    assert end > start + 0.01, (start, end)
+    assert s_end < s_start + 0.02, (s_start, s_end)
+    assert end > s_end + 0.04, (end, s_end)
