@@ -79,7 +79,8 @@ class SimBackend:
     async def forward_backward(
         self, groups: list[TrajectoryGroup], loss: LossConfig
     ) -> dict[str, float]:
-        tokens = sum(g.num_completion_tokens for g in groups)
+        lengths = [tuple(t.num_completion_tokens for t in g.trajectories) for g in groups]
+        tokens = sum(map(sum, lengths))
         seconds = tokens / self.train_rate if self.opts.latency == "ps" else 0.0
         if seconds:
             await self._beside_generation(seconds, self.opts.train_share)
@@ -92,10 +93,10 @@ class SimBackend:
                 g.name,
                 tuple(g.rewards),
                 tuple(g.advantages),
-                tuple(t.num_completion_tokens for t in g.trajectories),
+                n,
                 g.min_version,
             )
-            for g in groups
+            for g, n in zip(groups, lengths, strict=True)
         )
         return {"sim/train_tokens": float(tokens), "sim/train_s": seconds}
 
