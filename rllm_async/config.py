@@ -91,7 +91,7 @@ class RolloutConfig(_Section):
     tool_parser: Literal[
         "auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v3", "harmony"
     ] = "auto"
-    reasoning_parser: Literal["auto", "think", "none"] = "auto"
+    reasoning_parser: Literal["auto", "think", "mistral_think", "none"] = "auto"
 
 
 class CoordinatorConfig(_Section):

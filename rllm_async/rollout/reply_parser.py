@@ -27,7 +27,12 @@ from rllm_async.rollout.tool_calls import (
 from rllm_async.rollout.tool_parsers import TOOL_PARSERS, ToolParser
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-REASONING_PARSERS = ("think", "none")
+# Each reasoning parser's block markers: Qwen3/DeepSeek `<think>`, Mistral's Magistral `[THINK]`.
+REASONING_MARKERS: dict[str, tuple[str, str]] = {
+    "think": (THINK_OPEN, THINK_CLOSE),
+    "mistral_think": ("[THINK]", "[/THINK]"),
+}
+REASONING_PARSERS = (*REASONING_MARKERS, "none")
 
 # (tool parser, model_type values, chat-template markers), most specific markers first.
 _FAMILIES: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
@@ -48,16 +53,19 @@ def detect_family(tok: Tokenizer) -> tuple[str, str]:
     template = template if isinstance(template, str) else ""
     tool = next((name for name, _, marks in _FAMILIES if any(m in template for m in marks)), None)
     tool = tool or next((name for name, types, _ in _FAMILIES if model_type in types), "hermes")
-    think = tool != "harmony" and THINK_CLOSE in template
-    return tool, "think" if think else "none"
+    if tool == "harmony":  # its reasoning is a channel, which its tool parser reads
+        return tool, "none"
+    closes = (name for name, (_, close) in REASONING_MARKERS.items() if close in template)
+    return tool, next(closes, "none")
 
 
 @dataclass(frozen=True, slots=True)
 class ReplyParser:
-    """How one tokenizer's replies are read: the family's tool parser, and `<think>` or not."""
+    """How one tokenizer's replies are read: the family's tool parser, and the markers of its
+    reasoning block (None: no reasoning is split out)."""
 
     tool: ToolParser
-    think: bool
+    reasoning: tuple[str, str] | None
     markers: dict[int, str]  # token id -> text of each special token a parser reads
 
     def read(
@@ -76,15 +84,15 @@ class ReplyParser:
         text = prefix + cut_at_stop(self.decode(tok, completion_ids), stop)
         schemas = tool_schemas(tools)
         native = getattr(tok, "parse_response", None)
-        if native is not None and (tools or self.think):
+        if native is not None and (tools or self.reasoning):
             with contextlib.suppress(Exception):  # a tokenizer's own parser may raise on anything
                 parsed = _from_native(native(text, prompt_ids, tools), schemas, id_prefix)
                 if parsed is not None:
                     return parsed
         reasoning = None
-        if self.think:
-            opened = self.decode(tok, prompt_ids[-16:]).rstrip().endswith(THINK_OPEN)
-            reasoning, text = split_reasoning(text, opened=opened)
+        if self.reasoning is not None:
+            opened = self.decode(tok, prompt_ids[-16:]).rstrip().endswith(self.reasoning[0])
+            reasoning, text = split_reasoning(text, opened=opened, markers=self.reasoning)
         if not (tools or self.tool.structured):
             return ParsedReply(text, reasoning=reasoning)
         parsed = self.tool.parse(text, schemas, id_prefix=id_prefix)
@@ -117,28 +125,33 @@ def reply_parser(
 def _reply_parser(tok: Any, tool_parser: str, reasoning_parser: str) -> ReplyParser:
     tool_name, reasoning_name = detect_family(tok)
     tool = TOOL_PARSERS[tool_name if tool_parser == "auto" else tool_parser]
-    think = (reasoning_name if reasoning_parser == "auto" else reasoning_parser) == "think"
+    reasoning = REASONING_MARKERS.get(
+        reasoning_name if reasoning_parser == "auto" else reasoning_parser
+    )
     markers: dict[int, str] = {}
-    for text in (*tool.markers, *((THINK_OPEN, THINK_CLOSE) if think else ())):
+    for text in (*tool.markers, *(reasoning or ())):
         ids = tok.encode(text)
         if len(ids) == 1:
             markers[ids[0]] = text
-    return ReplyParser(tool, think, markers)
+    return ReplyParser(tool, reasoning, markers)
 
 
-def split_reasoning(text: str, *, opened: bool) -> tuple[str | None, str]:
-    """`(reasoning, content)` of a reply with a `<think>` block; `opened` when the prompt opened it.
-    A block cut before `</think>` is all reasoning."""
+def split_reasoning(
+    text: str, *, opened: bool, markers: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)
+) -> tuple[str | None, str]:
+    """`(reasoning, content)` of a reply with a reasoning block between `markers`; `opened` when
+    the prompt opened it. A block cut before its closing marker is all reasoning."""
+    open_, close = markers
     before = ""
     if not opened:
-        start = text.find(THINK_OPEN)
+        start = text.find(open_)
         if start < 0:
             return None, text
-        before, text = text[:start], text[start + len(THINK_OPEN) :]
-    end = text.find(THINK_CLOSE)
+        before, text = text[:start], text[start + len(open_) :]
+    end = text.find(close)
     if end < 0:
         return text.strip(), before
-    return text[:end].strip(), before + text[end + len(THINK_CLOSE) :].lstrip()
+    return text[:end].strip(), before + text[end + len(close) :].lstrip()
 
 
 def _from_native(message: Any, tools: Tools, id_prefix: str) -> ParsedReply | None:

@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 
 from rllm_async.backends.toy_tokenizers import CharTokenizer
-from rllm_async.rollout.reply_parser import detect_family, reply_parser, split_reasoning
+from rllm_async.rollout.reply_parser import (
+    REASONING_PARSERS,
+    detect_family,
+    reply_parser,
+    split_reasoning,
+)
 from rllm_async.rollout.tool_parsers import TOOL_PARSERS
 
 TOOLS = {
@@ -122,6 +127,22 @@ def test_think_blocks_split_into_reasoning(text: str, opened: bool, expected: An
     assert split_reasoning(text, opened=opened) == expected
 
 
+def test_mistral_think_blocks_split_into_reasoning_and_its_calls_still_parse() -> None:
+    tok = Checkpoint("mistral", "[TOOL_CALLS] {{ '[THINK]' }} [/THINK]")
+    parser = reply_parser(tok)
+    assert parser.reasoning == ("[THINK]", "[/THINK]")
+    text = "[THINK]3*4 needs the tool[/THINK]" + CALLS["mistral"]
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": s}} for n, s in TOOLS.items()
+    ]
+    reply = parser.read(tok, [], tok.encode(text), tools=tools)
+    assert reply.reasoning == "3*4 needs the tool" and reply.content == "ok"
+    assert [c["function"]["name"] for c in reply.tool_calls] == ["calc", "add"]
+    # `<think>` means nothing to this family: it stays in the content.
+    plain = parser.read(tok, [], tok.encode("<think>x</think>Hi"))
+    assert plain.reasoning is None and plain.content == "<think>x</think>Hi"
+
+
 class Checkpoint(CharTokenizer):
     def __init__(self, model_type: str | None = None, chat_template: str | None = None) -> None:
         super().__init__()
@@ -136,6 +157,7 @@ class Checkpoint(CharTokenizer):
         ("qwen3_moe", "<tool_call>\n<function={{ name }}>", ("qwen3_coder", "none")),
         ("llama", "{{ '<|python_tag|>' }}", ("llama3_json", "none")),
         ("mistral", "", ("mistral", "none")),
+        ("mistral", "[TOOL_CALLS] [/THINK]", ("mistral", "mistral_think")),
         (None, "[TOOL_CALLS]", ("mistral", "none")),
         ("deepseek_v3", "<｜tool▁calls▁begin｜> </think>", ("deepseek_v3", "think")),
         ("gpt_oss", "<|channel|>analysis", ("harmony", "none")),
@@ -150,7 +172,7 @@ def test_the_family_is_detected_from_the_checkpoint(
 def test_config_names_a_family_over_detection() -> None:
     tok = Checkpoint("qwen3", "<tool_call> </think>")
     parser = reply_parser(tok, "llama3_json", "none")
-    assert parser.tool.name == "llama3_json" and not parser.think
+    assert parser.tool.name == "llama3_json" and parser.reasoning is None
 
 
 def test_the_tokenizers_own_parser_is_used_and_its_refused_calls_fall_back() -> None:
@@ -176,7 +198,7 @@ def test_the_config_names_every_parser() -> None:
 
     fields = RolloutConfig.model_fields
     assert set(get_args(fields["tool_parser"].annotation)) == {"auto", *TOOL_PARSERS}
-    assert set(get_args(fields["reasoning_parser"].annotation)) == {"auto", "think", "none"}
+    assert set(get_args(fields["reasoning_parser"].annotation)) == {"auto", *REASONING_PARSERS}
 
 
 def test_llama_text_after_its_calls_stays_content() -> None:
