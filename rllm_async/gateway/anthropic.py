@@ -34,6 +34,7 @@ from rllm_async.gateway.conversation import ChatMessages, reply_calls
 from rllm_async.gateway.protocol_anthropic import (
     MessagesRequest,
     TextBlockParam,
+    ThinkingBlockParam,
     ToolResultBlockParam,
     ToolUseBlockParam,
 )
@@ -69,8 +70,8 @@ async def messages(api: API, request: Request) -> Response:
 def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
     """`system` and `messages` as chat messages: an assistant message's text, then its `tool_use`
     blocks as tool calls (one assistant turn, as the chat path recorded the reply); a user
-    message's `tool_result` blocks as tool messages, then its text as a user message; `thinking`
-    blocks are left out."""
+    message's `tool_result` blocks as tool messages, then its text as a user message; an assistant
+    message's `thinking` blocks as its `reasoning_content`."""
     chat = ChatMessages(req.system_text)
     for message in req.messages:
         blocks = message.content
@@ -80,6 +81,9 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
         text = "".join(b.text for b in blocks if isinstance(b, TextBlockParam))
         results = [b for b in blocks if isinstance(b, ToolResultBlockParam)]
         if message.role == "assistant":
+            thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlockParam))
+            if thinking:
+                chat.reason(thinking)
             chat.say("assistant", text)
         for block in blocks:
             if isinstance(block, ToolUseBlockParam):

@@ -45,10 +45,11 @@ class ToolResultBlockParam(BaseModel):
 
 
 class ThinkingBlockParam(BaseModel):
-    """Reasoning of an earlier reply, sent back: left out, as chat's `reasoning_content` is (the
-    recorded tokens keep the reasoning)."""
+    """Reasoning of an earlier reply, sent back: the assistant message's `reasoning_content`, as on
+    the chat path (`redacted_thinking` has no text to give)."""
 
     type: Literal["thinking", "redacted_thinking"]
+    thinking: str = ""
 
 
 ContentBlock = Annotated[

@@ -22,6 +22,13 @@ class InputText(BaseModel):
     text: str
 
 
+class ReasoningText(BaseModel):
+    """A part of a reasoning item sent back: its text, or a summary of it."""
+
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
 class InputMessage(BaseModel):
     """A message item; fields clients echo back from a response (`id`, `status`) are ignored."""
 
@@ -58,10 +65,16 @@ class FunctionCallOutputItem(BaseModel):
 
 
 class ReasoningItem(BaseModel):
-    """A `reasoning` output item sent back: ignored, as chat's `reasoning_content` is (the recorded
-    tokens keep the reasoning)."""
+    """A `reasoning` output item sent back: the `reasoning_content` of the assistant message after
+    it, as on the chat path (its `reasoning_text` content, else its summary)."""
 
     type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[ReasoningText] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in (self.content or self.summary))
 
 
 InputItem = Annotated[

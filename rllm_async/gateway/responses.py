@@ -47,6 +47,7 @@ from rllm_async.gateway.protocol_responses import (
     FunctionCallOutputItem,
     FunctionToolChoice,
     InputMessage,
+    ReasoningItem,
     ResponseRequest,
 )
 from rllm_async.gateway.sse import typed_stream
@@ -87,8 +88,8 @@ async def responses(api: API, request: Request) -> HTTPResponse:
 
 def chat_messages(req: ResponseRequest) -> list[dict[str, Any]]:
     """`instructions` and `input` as chat messages: a reply's message and the `function_call`
-    items after it are one assistant turn; a `function_call_output` is a tool message;
-    `reasoning` items are left out."""
+    items after it are one assistant turn; a `function_call_output` is a tool message; a
+    `reasoning` item is the next assistant message's `reasoning_content`."""
     chat = ChatMessages(req.instructions)
     items = (
         [InputMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
@@ -100,6 +101,8 @@ def chat_messages(req: ResponseRequest) -> list[dict[str, Any]]:
             chat.call(item.call_id, item.name, item.arguments)
         elif isinstance(item, FunctionCallOutputItem):
             chat.result(item.call_id, item.text)
+        elif isinstance(item, ReasoningItem) and item.text:
+            chat.reason(item.text)
     return chat.messages
 
 
