@@ -94,13 +94,13 @@ def tool_call_text(expr: str) -> str:
 
 
 def warm_start_examples(
-    n: int = 2000, seed: int = 1, tool_share: float = 0.5
+    n: int = 2000, seed: int = 1, tool_share: float = 0.5, low: int = 10, high: int = 99
 ) -> list[dict[str, Any]]:
-    """Chat transcripts: `tool_share` of them call `calc` then answer, the rest guess a product
-    near the right one (usually wrong). One example per assistant turn."""
+    """Chat transcripts of `generator`'s products: `tool_share` of them call `calc` then answer,
+    the rest guess a product near the right one (usually wrong). One example per assistant turn."""
     rng = random.Random(f"warm-{seed}")
     examples = []
-    for task in generator(n=n, seed=seed):
+    for task in generator(n=n, seed=seed, low=low, high=high):
         user = {"role": "user", "content": task["prompt"]}
         # What the character template renders for `tools=[CALC_SCHEMA]`.
         tools = {"role": "system", "content": "Tools: " + json.dumps([CALC_SCHEMA])}

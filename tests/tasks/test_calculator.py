@@ -1,8 +1,9 @@
 """The calculator task: its partial-credit reward, and a tool agent that learns from it.
 
-The learning test trains the `CalculatorAgent` workflow on the `tiny` preset after a brief warm
-start, once with the real reward and once with each group's rewards permuted among its rollouts
-(same rewards, no link to what a rollout did): the reward rises only with the real one.
+The learning test trains the `CalculatorAgent` workflow on the `tiny` preset after its warm start
+(which teaches it to copy the tool's result into its answer), once with the real reward and once
+with each group's rewards permuted among its rollouts (same rewards, no link to what a rollout
+did): the reward rises only with the real one.
 """
 
 from __future__ import annotations
@@ -69,11 +70,11 @@ def permuted_grpo(rewards: Sequence[float], normalize_std: bool = False) -> list
 
 
 def train(tmp_path: Path, name: str, advantage: str) -> list[dict[str, Any]]:
-    """`examples/calculator/workflow.yaml` for a few steps; both runs share one warm start."""
+    """`examples/calculator/workflow.yaml` for a few steps; both runs share one warm start, from
+    the shared cache (its 1500 steps take about two minutes, once per machine)."""
     overrides = [
         f"name={name}",
         f"run_dir={tmp_path}",
-        f"backend.warm_start.cache_dir={tmp_path / 'warm'}",
         f"algorithm.advantage={advantage}",
         # Sync: each step's reward is that of all 64 rollouts of one policy (async steps report
         # the rollouts that ended first, the short guesses before the calls).
@@ -108,6 +109,6 @@ def test_the_tool_agent_learns_from_the_reward_and_not_from_permuted_rewards(tmp
     _PERMUTE.seed(0)
     shuffled = train(tmp_path, "permuted", "tests.tasks.test_calculator:permuted_grpo")
     s_start, s_end = mean_reward(shuffled[:3]), mean_reward(shuffled[-5:])
-    assert end > start + 0.01, (start, end)
-    assert s_end < s_start + 0.02, (s_start, s_end)
-    assert end > s_end + 0.04, (end, s_end)
+    assert end > start + 0.15, (start, end)
+    assert s_end < s_start, (s_start, s_end)
+    assert end > s_end + 0.3, (end, s_end)
