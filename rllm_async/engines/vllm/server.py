@@ -219,6 +219,23 @@ def _stop_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
     proc.wait()
+    # A killed child takes a moment to die: return once none of the group is left running.
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running (zombies, which only wait for their
+    parent to read their exit, do not count); read from /proc, where there is one."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended while we looked
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def _exit_reason(code: int) -> str:
