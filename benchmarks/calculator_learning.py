@@ -50,13 +50,14 @@ def train(config: str, mode: str, steps: int, run_dir: str) -> tuple[list[dict[s
     return records, time.perf_counter() - start
 
 
-def mean(records: list[dict[str, Any]], key: str) -> float:
-    """The mean of `key` over the records that have it (a step may complete no rollout)."""
+def mean(records: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of `key` over the records that have it (a step may complete no rollout); None
+    where none has it (the openai-client agent reports no `tool_calls`)."""
     values = [r[key] for r in records if key in r]
-    return round(sum(values) / len(values), 4)
+    return round(sum(values) / len(values), 4) if values else None
 
 
-def summary(records: list[dict[str, Any]], wall_s: float, window: int) -> dict[str, float]:
+def summary(records: list[dict[str, Any]], wall_s: float, window: int) -> dict[str, float | None]:
     first, last = records[:window], records[-window:]
     return {
         "wall_s": round(wall_s, 1),

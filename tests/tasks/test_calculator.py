@@ -71,7 +71,7 @@ def permuted_grpo(rewards: Sequence[float], normalize_std: bool = False) -> list
 
 def train(tmp_path: Path, name: str, advantage: str) -> list[dict[str, Any]]:
     """`examples/calculator/workflow.yaml` for a few steps; both runs share one warm start, from
-    the shared cache (its 1500 steps take about two minutes, once per machine)."""
+    the shared cache (its 1500 steps take about two minutes, once per checkout)."""
     overrides = [
         f"name={name}",
         f"run_dir={tmp_path}",
@@ -102,7 +102,7 @@ def mean_reward(records: list[dict[str, Any]]) -> float:
     return sum(values) / len(values)
 
 
-@pytest.mark.slow
+@pytest.mark.timeout(600)  # with a cold warm-start cache, about 150 s on two idle cores
 def test_the_tool_agent_learns_from_the_reward_and_not_from_permuted_rewards(tmp_path) -> None:
     learned = train(tmp_path, "real", "grpo")
     start, end = mean_reward(learned[:3]), mean_reward(learned[-5:])
