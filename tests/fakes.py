@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +173,14 @@ def tasks(n: int) -> list[dict[str, Any]]:
 
 def seeded(seed: int) -> random.Random:
     return random.Random(seed)
+
+
+@contextlib.contextmanager
+def ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt inside, as at a terminal, also where the test process was
+    started with SIGINT ignored (a shell's background job)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -13,7 +13,7 @@ import pytest
 from rllm_async.health import FailureRateError
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.vclock import run
-from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
+from tests.fakes import FakeBackend, ScriptedWorkflow, ctrl_c_raises, make_config, tasks
 
 
 def leftovers() -> list[asyncio.Task]:
@@ -102,7 +102,7 @@ def test_keyboard_interrupt_stops_cleanly(tmp_path) -> None:
     timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
+    with ctrl_c_raises(), pytest.raises(KeyboardInterrupt):
         run(trainer.fit(), virtual=False)
     assert time.monotonic() - t0 < 1.5
     assert backend.closed

@@ -27,6 +27,7 @@ from rllm_async.config import OptimConfig
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.types import TrajectoryGroup
 from tests.backends.local.test_local_backend import make_config, params, sample_groups
+from tests.fakes import ctrl_c_raises
 
 
 def sampler_weights(backend: LocalBackend) -> torch.Tensor:
@@ -276,7 +277,7 @@ def test_an_interrupted_run_stops_its_learner_process(tmp_path: Path) -> None:
     pid = learner_pid(trainer.backend)
     timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
+    with ctrl_c_raises(), pytest.raises(KeyboardInterrupt):
         trainer.run()
     assert trainer.records, "it trained before the interrupt"
     with pytest.raises(ProcessLookupError):
