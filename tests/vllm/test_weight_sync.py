@@ -160,7 +160,7 @@ def test_staleness_counts_the_tokens_a_sync_left_on_the_old_weights(
 
     async def go() -> None:
         await policy.generate(prompt, GREEDY)  # warm: the requests below start at once
-        rollouts = [context() for _ in range(96)]  # more than finish before the pause lands
+        rollouts = [context() for _ in range(256)]  # more than finish before the pause lands
         running = [asyncio.create_task(ctx.generate(prompt)) for ctx in rollouts]
         await wait_generating(policy.urls[0], tokens=96 * 4)
         await policy.update_weights(weights["new"], 1, mode="keep")
