@@ -89,14 +89,22 @@ class API:
         return run
 
     def _authorize(self, request: Request) -> Session | None:
-        """Check the API key (`Authorization: Bearer` or `x-api-key`): the gateway's, or a session's
-        (which names that session)."""
+        """Check the API key (`Authorization: Bearer` or `x-api-key`): the gateway's, or an open
+        session's (which names that session); an ended session's key is refused."""
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         # `x-api-key` is the Anthropic clients' header.
         bearer = (
             token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
         )
         keyed = self.gw.sessions.by_key(bearer) if bearer else None
+        if keyed is None and (ended := self.gw.sessions.ended_key(bearer)) is not None:
+            # Answered, such a call would be recorded nowhere: the agent must learn its session
+            # is over, with or without a gateway key.
+            raise APIError(
+                401,
+                f"the API key of session {ended!r}, which has ended: open a new session",
+                code="invalid_api_key",
+            )
         key = self.gw.api_key
         if (
             keyed is None

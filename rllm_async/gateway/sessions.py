@@ -120,8 +120,9 @@ _ENDED = {
 class SessionStore:
     """Open sessions by id. Closing one forgets it, so records never outlive their rollout;
     `export_path` (standalone `serve`) appends each closed session's records as one JSON line.
-    How the latest `remember` closed sessions ended is kept, so that a late request is told why
-    its session is gone; `on_expired` hears of every session that expires."""
+    How the latest `remember` closed sessions ended, and their API keys, are kept, so that a late
+    request is told why its session is gone, and one with an ended session's key is refused even
+    on a gateway without an API key; `on_expired` hears of every session that expires."""
 
     def __init__(
         self,
@@ -140,6 +141,7 @@ class SessionStore:
         self._open: dict[str, Session] = {}
         self._by_key: dict[str, Session] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> how it ended (see _ENDED)
+        self._ended_keys: OrderedDict[str, str] = OrderedDict()  # API key -> its ended session
 
     def __len__(self) -> int:
         return len(self._open)
@@ -162,6 +164,10 @@ class SessionStore:
         """The open session whose API key is `key`."""
         return self._by_key.get(key)
 
+    def ended_key(self, key: str) -> str | None:
+        """The id of the ended session (among the latest `remember`) whose API key is `key`."""
+        return self._ended_keys.get(key)
+
     def get(self, session_id: str) -> Session:
         """The open session `session_id`, or an APIError saying why there is none."""
         session = self._open.get(session_id)
@@ -182,8 +188,10 @@ class SessionStore:
         del self._by_key[session.key]
         session.close()
         self._ended[session_id] = how
+        self._ended_keys[session.key] = session_id
         if len(self._ended) > self.remember:
             self._ended.popitem(last=False)
+            self._ended_keys.popitem(last=False)
         if self.export_path is not None:
             with self.export_path.open("a") as f:
                 f.write(json.dumps(session.records()) + "\n")

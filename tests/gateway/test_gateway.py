@@ -48,8 +48,8 @@ def local_backend(max_seq_len: int = 96) -> LocalBackend:
 
 @asynccontextmanager
 async def serving(policy: Any, **options: Any) -> AsyncIterator[Gateway]:
-    options.setdefault("sampling", SamplingParams(max_tokens=128))
-    gateway = Gateway(policy, api_key=KEY, open_sessions=True, **options)
+    options = {"sampling": SamplingParams(max_tokens=128), "api_key": KEY, **options}
+    gateway = Gateway(policy, open_sessions=True, **options)
     await gateway.start()
     try:
         yield gateway
@@ -440,3 +440,43 @@ def test_one_client_serves_every_session_by_header_or_api_key() -> None:
             assert gateway.sessions.get(opened["id"]).calls == 1
 
     asyncio.run(go())
+
+
+def test_an_ended_sessions_key_is_refused_on_a_gateway_without_a_key() -> None:
+    policy = ScriptedPolicy(lambda prompt: "a")
+    message = {"model": "policy", "max_tokens": 8, "messages": [{"role": "user", "content": "q"}]}
+
+    async def go() -> None:
+        async with serving(policy, api_key=None) as gateway:
+            gateway.sessions.remember = 2
+            ended = [gateway.session(context(policy)) for _ in range(3)]
+            async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+                for s in ended:
+                    r = await http.post("/v1/chat/completions", json=CHAT, headers=bearer(s.key))
+                    assert r.status_code == 200, r.text
+                    gateway.sessions.close(s.id)
+                for s in ended[1:]:
+                    r = await http.post("/v1/chat/completions", json=CHAT, headers=bearer(s.key))
+                    assert r.status_code == 401, r.text
+                    assert r.json()["error"]["code"] == "invalid_api_key"
+                    assert s.id in r.json()["error"]["message"]
+                    r = await http.post("/v1/messages", json=message, headers={"x-api-key": s.key})
+                    assert r.status_code == 401, r.text
+                    assert r.json()["error"]["type"] == "authentication_error"
+                # Memory is bounded: the oldest ended key is forgotten (a plain keyless call).
+                r = await http.post("/v1/chat/completions", json=CHAT, headers=bearer(ended[0].key))
+                assert r.status_code == 200
+                # Without a key, or with any other, the keyless gateway answers.
+                assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            async with openai.AsyncOpenAI(
+                base_url=f"{gateway.url}/v1", api_key=ended[2].key, max_retries=0
+            ) as client:
+                with pytest.raises(openai.AuthenticationError):
+                    await client.chat.completions.create(**CHAT)
+        assert [len(s.ctx.trajectory().steps) for s in ended] == [1, 1, 1]
+
+    asyncio.run(go())
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
