@@ -5,7 +5,7 @@ with `backend.rollout: vllm`, the same config otherwise; one JSON line.
                                      [--groups-per-step 4] [--max-tokens 32]
 
 Async mode (`pipeline_depth: 1`, `weight_update: latest`), the local learner (float32, one torch
-thread), the task set of `tests/vllm/tasks.py` (the reward is the reply's length parity, so
+thread), the task set of `tests/integration/vllm/tasks.py` (the reward is the reply's length parity, so
 groups have signal); every step is trained, learning or not (`filter_zero_variance: false`). The
 vLLM server (`.venv-vllm/`, `python scripts/vllm_env.py setup`) serves bfloat16 and reloads the
 learner's weights from /dev/shm after every step. Figures are medians over the steps of
@@ -50,9 +50,9 @@ def write_config(tmp: Path, model: Path, rollout: str, args: argparse.Namespace)
         },
         "workflow": {
             "cls": "rllm_async.workflows.SingleTurnWorkflow",
-            "args": {"reward_fn": "tests.vllm.tasks:reward"},
+            "args": {"reward_fn": "tests.integration.vllm.tasks:reward"},
         },
-        "data": {"train": {"generator": "tests.vllm.tasks:generator"}},
+        "data": {"train": {"generator": "tests.integration.vllm.tasks:generator"}},
         "rollout": {
             "group_size": args.group_size,
             "max_tokens": args.max_tokens,

@@ -19,7 +19,7 @@ from pathlib import Path
 from rllm_async import UnifiedTrainer
 
 # The tiny checkpoint builder and the test config live with the verl tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "verl"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration" / "verl"))
 from test_verl_cpu import make_config
 from tiny_checkpoint import write_tiny_checkpoint
 

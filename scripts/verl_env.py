@@ -3,7 +3,7 @@ main interpreter because verl pins its own transformers, tensordict and Ray.
 
     python scripts/verl_env.py setup                 # idempotent; prints what it did and how long
     python scripts/verl_env.py setup --fresh         # delete .venv-verl/, then build it anew (CI)
-    .venv-verl/bin/python -m pytest tests/verl       # the verl backend's tests
+    .venv-verl/bin/python -m pytest tests/integration/verl       # the verl backend's tests
 
 `--torch` picks the torch requirement (default `torch==2.13.0`, the CPU build where one is on the
 package index's find-links; elsewhere pass e.g. a CUDA build for GPU machines).

@@ -4,7 +4,7 @@ in the main interpreter.
 
     python scripts/vllm_env.py setup                 # idempotent; prints what it did and how long
     python scripts/vllm_env.py setup --fresh         # delete .venv-vllm/, then build it anew (CI)
-    python -m pytest -m integration tests/vllm       # the engine against real servers
+    python -m pytest -m integration tests/integration/vllm       # the engine against real servers
 
 `--torch` picks the torch requirement (default `torch==2.13.0`, the CPU build where one is on the
 package index's find-links), installed before vLLM so that vLLM does not pull another build.

@@ -3,7 +3,7 @@
 The servers run under `.venv-vllm/bin/python` (`python scripts/vllm_env.py setup`). These tests
 start several servers (~20 s each) and are left out of the default run:
 
-    python -m pytest -m integration tests/vllm
+    python -m pytest -m integration tests/integration/vllm
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     here = Path(__file__).parent
     mine = [item for item in items if here in item.path.parents]
     if "integration" not in config.getoption("markexpr", ""):
-        reason = "real vLLM servers: run `python -m pytest -m integration tests/vllm`"
+        reason = "real vLLM servers: run `python -m pytest -m integration tests/integration/vllm`"
     elif not REPO_VENV_PYTHON.is_file():
         reason = f"no {REPO_VENV_PYTHON}: run `python scripts/vllm_env.py setup` first"
     else:

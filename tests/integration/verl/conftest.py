@@ -1,5 +1,5 @@
 """The verl backend's tests run only where verl is importable: `python scripts/verl_env.py setup`
-makes `.venv-verl/`, and `.venv-verl/bin/python -m pytest tests/verl` runs them."""
+makes `.venv-verl/`, and `.venv-verl/bin/python -m pytest tests/integration/verl` runs them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 REASON = (
     "verl is not importable in this interpreter: run `python scripts/verl_env.py setup`, then "
-    "`.venv-verl/bin/python -m pytest tests/verl`"
+    "`.venv-verl/bin/python -m pytest tests/integration/verl`"
 )
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_checkpoint and rewards, by plain name

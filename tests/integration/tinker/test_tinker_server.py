@@ -2,7 +2,7 @@
 
 SkyRL 0.3.0 speaks the JSON protocol of tinker <= 0.24, so these run in .venv-skyrl:
     python scripts/tinker_server/manage.py setup
-    .venv-skyrl/bin/python -m pytest -m integration tests/integration/test_tinker_server.py
+    .venv-skyrl/bin/python -m pytest -m integration tests/integration/tinker/test_tinker_server.py
 """
 
 from __future__ import annotations

@@ -41,9 +41,9 @@ def write_config(tmp_path: Path, model: Path, mode: str, steps: int) -> Path:
         },
         "workflow": {
             "cls": "rllm_async.workflows.SingleTurnWorkflow",
-            "args": {"reward_fn": "tests.vllm.tasks:reward"},
+            "args": {"reward_fn": "tests.integration.vllm.tasks:reward"},
         },
-        "data": {"train": {"generator": "tests.vllm.tasks:generator"}},
+        "data": {"train": {"generator": "tests.integration.vllm.tasks:generator"}},
         "rollout": {"group_size": 4, "max_tokens": 16, "timeout_s": 60, "retries": 1},
         "coordinator": coordinator if mode == "async" else {},
         "train": {"total_steps": steps, "groups_per_step": 4},
