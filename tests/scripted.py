@@ -4,7 +4,7 @@ policy was asked and produced (to compare with what the workflow or the gateway 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rllm_async.backends.base import Completion, PolicyClient, SamplingParams, Tokenizer
@@ -89,13 +89,19 @@ async def _open() -> None:
     return None
 
 
-def context(policy: Any, *, deadline: float = 1e9, **sampling: Any) -> RolloutContext:
-    """A RolloutContext on `policy` with no coordinator (never paused)."""
+def context(
+    policy: Any,
+    *,
+    deadline: float = 1e9,
+    wait_unpaused: Callable[[], Awaitable[None]] = _open,
+    **sampling: Any,
+) -> RolloutContext:
+    """A RolloutContext on `policy`, paused while `wait_unpaused` waits (by default never)."""
     return RolloutContext(
         policy,
         sampling=SamplingParams(**{"max_tokens": 128, **sampling}),
         pin=True,
-        wait_unpaused=_open,
+        wait_unpaused=wait_unpaused,
         deadline=deadline,
         task_id="t",
     )

@@ -52,6 +52,7 @@ async def messages(api: API, request: Request) -> Response:
     if req.stop_sequences:
         sampling["stop"] = tuple(req.stop_sequences)
     turn = await api.chat_turn(
+        request,
         session,
         chat_messages(req),
         tools=req.tool_schemas,

@@ -198,11 +198,13 @@ class API:
 
     async def run(
         self,
+        request: Request,
         session: Session | None,
         make: Callable[[], list[Awaitable[T]]],
         prompt_param: str = "messages",
     ) -> list[T]:
-        """Run one request's model calls; map what can go wrong to the client's errors."""
+        """Run one request's model calls, cancelled if the client hangs up meanwhile; map what can
+        go wrong to the client's errors."""
 
         async def run_all() -> list[T]:
             tasks = [asyncio.ensure_future(c) for c in make()]
@@ -213,7 +215,9 @@ class API:
                     task.cancel()
 
         try:
-            return await (run_all() if session is None else session.call(run_all))
+            return await unless_disconnected(
+                request, run_all() if session is None else session.call(run_all)
+            )
         except ContextLengthError as e:
             raise APIError(
                 400, str(e), param=prompt_param, code="context_length_exceeded"
@@ -231,6 +235,7 @@ class API:
 
     async def chat_turn(
         self,
+        request: Request,
         session: Session | None,
         messages: list[dict[str, Any]],
         *,
@@ -244,6 +249,7 @@ class API:
         ctx = self.context(session)
         prefix = forced_prefix(ctx, forced)
         [turn] = await self.run(
+            request,
             session,
             lambda: [
                 ctx.chat_turn(
@@ -257,6 +263,29 @@ class API:
             prompt_param=prompt_param,
         )
         return turn
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`, cancelled when the client disconnects first (a client that timed out while a weight
+    sync held its call, and retries), so that no reply it never saw is recorded."""
+    task = asyncio.ensure_future(work)
+    hangup = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, hangup), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hangup.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled() and hangup.done() and not hangup.cancelled():
+        raise APIError(499, "the client disconnected before the reply", code="client_disconnected")
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Until the client disconnects (the body has been read: the next message is the hang-up)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def name_reply(reply_id: str, steps: list[Step]) -> None:

@@ -29,6 +29,7 @@ async def chat_completions(api: API, request: Request) -> Response:
     kwargs = req.template_kwargs or None
     overrides = [api.sampling(req, session, i) for i in range(req.n)]
     turns = await api.run(
+        request,
         session,
         lambda: [
             ctx.chat_turn(messages, tools=tools, prefix=prefix, template_kwargs=kwargs, **o)

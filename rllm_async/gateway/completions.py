@@ -41,7 +41,7 @@ async def completions(api: API, request: Request) -> Response:
     if not prompt:
         raise APIError(400, "prompt: encodes to no tokens", param="prompt")
     overrides = [api.sampling(req, session, i) for i in range(req.n)]
-    outs = await api.run(session, lambda: [ctx.generate(prompt, **o) for o in overrides])
+    outs = await api.run(request, session, lambda: [ctx.generate(prompt, **o) for o in overrides])
     body = _body(req, prompt, outs, api.gw.model, tok)
     if req.stream:
         return data_stream(_chunks(body))

@@ -63,6 +63,7 @@ async def responses(api: API, request: Request) -> HTTPResponse:
     if req.max_output_tokens is not None:
         sampling["max_tokens"] = req.max_output_tokens
     turn = await api.chat_turn(
+        request,
         session,
         chat_messages(req),
         tools=req.tool_schemas,

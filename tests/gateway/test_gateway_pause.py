@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rllm_async.backends.base import SamplingParams
-from rllm_async.rollout import RolloutContext
+import httpx
+
+from rllm_async.backends.base import Completion, SamplingParams
 from tests.gateway.test_gateway import KEY, open_session, openai, serving
-from tests.scripted import ScriptedPolicy
+from tests.scripted import ScriptedPolicy, context
 
 
 def test_calls_during_a_pause_queue_and_are_served_by_the_new_weights() -> None:
@@ -17,14 +18,7 @@ def test_calls_during_a_pause_queue_and_are_served_by_the_new_weights() -> None:
 
     async def go() -> None:
         unpaused = asyncio.Event()  # the coordinator's pause, held for a weight sync
-        ctx = RolloutContext(
-            policy,
-            sampling=SamplingParams(max_tokens=16),
-            pin=False,
-            wait_unpaused=unpaused.wait,
-            deadline=1e9,
-            task_id="t",
-        )
+        ctx = context(policy, max_tokens=16, wait_unpaused=unpaused.wait)
         async with serving(policy) as gateway:
             session = gateway.session(ctx)
             client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=session.key)
@@ -54,14 +48,7 @@ def test_calls_outside_a_session_wait_for_the_sessions_pause() -> None:
 
     async def go() -> None:
         unpaused = asyncio.Event()
-        ctx = RolloutContext(
-            policy,
-            sampling=SamplingParams(max_tokens=16),
-            pin=False,
-            wait_unpaused=unpaused.wait,
-            deadline=1e9,
-            task_id="t",
-        )
+        ctx = context(policy, max_tokens=16, wait_unpaused=unpaused.wait)
         async with serving(policy) as gateway:
             client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=KEY)
             messages: Any = [{"role": "user", "content": "q"}]
@@ -107,5 +94,70 @@ def test_sessions_opened_over_http_wait_for_the_pause_they_follow() -> None:
             steps = gateway.sessions.get(opened[0]).ctx.trajectory().steps
         assert r.system_fingerprint == "policy-v1"
         assert [set(s.versions) for s in steps] == [{0}, {1}]
+
+    asyncio.run(go())
+
+
+class _SlowFirst(ScriptedPolicy):
+    """Takes `first_s` over its first generation, then answers at once."""
+
+    def __init__(self, first_s: float) -> None:
+        super().__init__(lambda prompt: "ok")
+        self.first_s = first_s
+        self.started = 0
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, *, version: int | None = None
+    ) -> Completion:
+        self.started += 1
+        if self.started == 1:
+            await asyncio.sleep(self.first_s)
+        return await super().generate(prompt_ids, params, version=version)
+
+
+def test_a_client_that_times_out_and_retries_gets_one_recorded_step_per_reply() -> None:
+    """A call the client gave up on (waiting out a sync, or generating) is cancelled, so only the
+    retry it got a reply for is recorded, with the weights that served it."""
+    policy = _SlowFirst(first_s=2.0)
+
+    async def go() -> None:
+        unpaused = asyncio.Event()
+        ctx = context(policy, max_tokens=16, wait_unpaused=unpaused.wait)
+        sent: list[httpx.Request] = []
+
+        async def count(request: httpx.Request) -> None:
+            sent.append(request)
+
+        async with serving(policy) as gateway:
+            session = gateway.session(ctx)
+            http = httpx.AsyncClient(event_hooks={"request": [count]})
+            client = openai.AsyncOpenAI(
+                base_url=f"{gateway.url}/v1",
+                api_key=session.key,
+                timeout=0.5,
+                max_retries=8,
+                http_client=http,
+            )
+            messages: Any = [{"role": "user", "content": "q"}]
+            # The pause outlasts the client's timeout: the first attempts give up and retry.
+            call = asyncio.create_task(
+                client.chat.completions.create(model="policy", messages=messages)
+            )
+            await asyncio.sleep(1.0)
+            assert len(sent) >= 2 and policy.started == 0
+            policy.version = 1
+            unpaused.set()
+            # The first attempt served generates for 2 s, past the timeout; a retry is answered.
+            r = await asyncio.wait_for(call, 30)
+            attempts = len(sent)
+            # A call answered in time: one more step.
+            r2 = await client.chat.completions.create(model="policy", messages=messages)
+            await http.aclose()
+        assert attempts >= 3 and policy.started >= 2
+        assert r.system_fingerprint == r2.system_fingerprint == "policy-v1"
+        steps = ctx.trajectory().steps
+        assert len(steps) == 2 == len(policy.calls)
+        assert [set(s.versions) for s in steps] == [{1}, {1}]
+        assert [s.info["reply_id"] for s in steps] == [r.id, r2.id]
 
     asyncio.run(go())
