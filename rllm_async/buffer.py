@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rllm_async.algorithms.advantages import AdvantageFn
+from rllm_async.config import Config
 from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.types import Episode, Trajectory, TrajectoryGroup
 
@@ -81,6 +82,23 @@ class TrajectoryGroupBuffer:
         self._ready: list[tuple[int, int, ReadyGroup]] = []
         self._seq = itertools.count()
         self._closed = False
+
+    @classmethod
+    def from_config(
+        cls, config: Config, coordinator: SyncCoordinator, advantage_fn: AdvantageFn
+    ) -> TrajectoryGroupBuffer:
+        """The buffer of a fit of `config`: room for the groups of `pipeline_depth + 1` steps."""
+        ro, alg, tr = config.rollout, config.algorithm, config.train
+        return cls(
+            coordinator,
+            group_size=ro.group_size,
+            min_group_size=ro.min_group_size,
+            advantage_fn=advantage_fn,
+            normalize_std=alg.normalize_std,
+            filter_zero_variance=alg.filter_zero_variance,
+            filter_unsolved=alg.filter_unsolved,
+            capacity=(config.coordinator.pipeline_depth + 1) * tr.groups_per_step,
+        )
 
     def __len__(self) -> int:
         return len(self._ready)

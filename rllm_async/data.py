@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from rllm_async.config import DatasetConfig, HFDatasetConfig
+from rllm_async.config import Config, DatasetConfig, HFDatasetConfig
 from rllm_async.imports import import_object
 
 
@@ -222,6 +222,26 @@ class TaskSource:
         self._on_epoch_start = on_epoch_start
         self._on_epoch_end = on_epoch_end
         self._order = self._permutation(0)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Config,
+        tasks: list[dict[str, Any]],
+        on_epoch_start: Callable[[int], None] | None = None,
+        on_epoch_end: Callable[[int], None] | None = None,
+    ) -> TaskSource:
+        """The training tasks of a fit of `config`, in the order `seed` and `data.train` ask."""
+        train = config.data.train
+        return cls(
+            tasks,
+            seed=config.seed,
+            shuffle=train.shuffle if train is not None else True,
+            total_epochs=config.train.total_epochs,
+            skip_solved=config.algorithm.skip_solved,
+            on_epoch_start=on_epoch_start,
+            on_epoch_end=on_epoch_end,
+        )
 
     def _permutation(self, epoch: int) -> list[int]:
         if not self.shuffle:

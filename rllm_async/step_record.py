@@ -68,6 +68,7 @@ REDUCTIONS: dict[str, Reduce] = {
 FORWARD_BACKWARD: Reduce = "mean"  # a backend's, once per micro-batch
 OPTIM_STEP: Reduce = "last"  # a backend's, once per step
 EVALUATION: Reduce = "last"  # `eval/*`, once per evaluation
+WORKFLOW_STEP: Reduce = "last"  # a workflow's `step_metrics()`, `workflow/*`, once per step
 
 # Group outcomes counted per record, as the change since the previous record.
 GROUP_COUNTS = (
@@ -89,9 +90,51 @@ def record_episode(
         metrics.record(prefix + key, value, reductions.get(key, "mean"))
 
 
+class StepMetrics:
+    """The metrics that one training step's helpers return, merged in order, each with its
+    reduction, so that the step's record takes them at once and reduces them exactly as if each
+    had been added as it happened."""
+
+    def __init__(self) -> None:
+        self.values: list[tuple[str, float, Reduce]] = []
+
+    def add(self, metrics: Mapping[str, float], own: Reduce | None = None) -> None:
+        """Merge `metrics`, each reduced as `REDUCTIONS` declares; `own`: how the keys it does not
+        declare (a backend's own) are reduced."""
+        for key, value in metrics.items():
+            reduce = own if own is not None and key not in REDUCTIONS else REDUCTIONS[key]
+            self.values.append((key, value, reduce))
+
+    def add_consumed(self, ready: ReadyGroup, staleness: int) -> None:
+        """A group taken for training: each episode's reward and correctness, and the group's
+        staleness."""
+        for episode in ready.episodes:
+            self.values.append(("reward/mean", episode.reward, REDUCTIONS["reward/mean"]))
+            if episode.is_correct is not None:
+                correct = float(episode.is_correct)
+                self.values.append(("episode/correct", correct, REDUCTIONS["episode/correct"]))
+        self.add({"staleness/mean": staleness, "staleness/max": staleness})
+
+    def extend(self, other: StepMetrics) -> None:
+        """Merge what `other` holds, after what this holds."""
+        self.values.extend(other.values)
+
+
 class StepRecord:
     """One fit's step records: collects what happens during a step and, once per step, reduces it
     into one record for every sink. Also counts the step's episodes and tokens and its time."""
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Config,
+        records: list[dict[str, float]],
+        counts: dict[str, int],
+        now: float,
+        initial_step: int,
+    ) -> StepRecord:
+        """The record of a fit of `config`, its sinks as `logging:` asks (see `sinks`)."""
+        return cls(MetricsAggregator(sinks(config, initial_step)), records, counts, now)
 
     def __init__(
         self,
@@ -131,16 +174,10 @@ class StepRecord:
         self._episodes += 1
         return tokens
 
-    def add_consumed(self, ready: ReadyGroup, staleness: int) -> None:
-        """A group taken for training: each episode's reward and correctness, and the group's
-        staleness."""
-        record = self.metrics.record
-        for episode in ready.episodes:
-            record("reward/mean", episode.reward, REDUCTIONS["reward/mean"])
-            if episode.is_correct is not None:
-                record("episode/correct", float(episode.is_correct), REDUCTIONS["episode/correct"])
-        record("staleness/mean", staleness, REDUCTIONS["staleness/mean"])
-        record("staleness/max", staleness, REDUCTIONS["staleness/max"])
+    def add_step(self, metrics: StepMetrics) -> None:
+        """Add what a training step's helpers returned, in the order they returned it."""
+        for key, value, reduce in metrics.values:
+            self.metrics.record(key, value, reduce)
 
     def group_counts(self, counts: dict[str, int]) -> bool:
         """Add how many groups ended each way since the last record; False if none did."""

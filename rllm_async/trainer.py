@@ -12,13 +12,14 @@ import asyncio
 import contextlib
 import gc
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
 from rllm_async import checkpoint
 from rllm_async.algorithms.advantages import get_advantage_fn
 from rllm_async.backends import get_backend_factory
-from rllm_async.backends.base import Backend, RecomputesLogprobs
+from rllm_async.backends.base import Backend, PolicyClient, RecomputesLogprobs
 from rllm_async.buffer import ReadyGroup, TrajectoryGroupBuffer
 from rllm_async.callbacks import Callback
 from rllm_async.checkpoint import CheckpointState
@@ -27,14 +28,15 @@ from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.data import TaskSource, load_tasks
 from rllm_async.evaluation import EvalSchedule, Evaluator
 from rllm_async.generation import Generation
-from rllm_async.metrics import MetricsAggregator, Reduce
+from rllm_async.metrics import Reduce
 from rllm_async.runner import build_workflow
 from rllm_async.step_record import (
     EVALUATION,
     FORWARD_BACKWARD,
     OPTIM_STEP,
+    WORKFLOW_STEP,
+    StepMetrics,
     StepRecord,
-    sinks,
 )
 from rllm_async.workflows.base import Workflow
 from rllm_async.workload_record import WorkloadRecorder
@@ -96,7 +98,6 @@ class UnifiedTrainer:
             backend.on_policy_updated,
             updates_per_batch=config.train.updates_per_batch,
         )
-        self.evaluator = Evaluator(config, self.workflow, self.eval_tasks, self.callbacks)
         self.records: list[dict[str, float]] = []
 
     def _load(self, split: str) -> list[dict[str, Any]]:
@@ -118,7 +119,7 @@ class UnifiedTrainer:
 
     async def fit(self) -> list[dict[str, float]]:
         """Train until `train.total_steps` (or the end of the data); returns the step records."""
-        fit = _Fit(self)
+        fit = self._set_up()
         try:
             await fit.start()
             with _collector_for_rollouts():
@@ -133,74 +134,69 @@ class UnifiedTrainer:
             await fit.close()
         return self.records
 
-
-class _Fit:
-    """One call of `fit()`: the generation and training loops, and the state that lives as long
-    as they do (the buffer, the data's position, the guards, the step record)."""
-
-    def __init__(self, trainer: UnifiedTrainer) -> None:
-        cfg = self.config = trainer.config
-        self.workflow, self.backend = trainer.workflow, trainer.backend
-        self.coordinator, self.callbacks = trainer.coordinator, trainer.callbacks
-        self.run_path = cfg.run_path
-        self.run_path.mkdir(parents=True, exist_ok=True)
-        _write_config(cfg, self.run_path / "config.yaml")
-        self.buffer = TrajectoryGroupBuffer(
-            self.coordinator,
-            group_size=cfg.rollout.group_size,
-            min_group_size=cfg.rollout.min_group_size,
-            advantage_fn=trainer.advantage_fn,
-            normalize_std=cfg.algorithm.normalize_std,
-            filter_zero_variance=cfg.algorithm.filter_zero_variance,
-            filter_unsolved=cfg.algorithm.filter_unsolved,
-            capacity=(cfg.coordinator.pipeline_depth + 1) * cfg.train.groups_per_step,
+    def _set_up(self) -> _Fit:
+        """Build every part of one fit, in one place: the run directory and its config.yaml, the
+        buffer, the task source, evaluation, the checkpoint to resume from, the step record, the
+        workload record and the generation loop."""
+        cfg, coord, callbacks = self.config, self.coordinator, self.callbacks
+        now = asyncio.get_running_loop().time()
+        cfg.run_path.mkdir(parents=True, exist_ok=True)
+        _write_config(cfg, cfg.run_path / "config.yaml")
+        buffer = TrajectoryGroupBuffer.from_config(cfg, coord, self.advantage_fn)
+        source = TaskSource.from_config(
+            cfg,
+            self.train_tasks,
+            on_epoch_start=lambda epoch: _notify(callbacks, "on_epoch_start", epoch),
+            on_epoch_end=lambda epoch: _notify(callbacks, "on_epoch_end", epoch),
         )
-        self.source = TaskSource(
-            trainer.train_tasks,
-            seed=cfg.seed,
-            shuffle=cfg.data.train.shuffle if cfg.data.train is not None else True,
-            total_epochs=cfg.train.total_epochs,
-            skip_solved=cfg.algorithm.skip_solved,
-            on_epoch_start=self._epoch_started,
-            on_epoch_end=self._epoch_ended,
-        )
-        self.policy = self.backend.policy()
-        self.evals = EvalSchedule(
-            trainer.evaluator, cfg, self.policy, self.coordinator.wait_unpaused
-        )
-        self.resume_from = checkpoint.resume_path(cfg.checkpoint.resume, self.run_path)
-        initial = checkpoint.read_state(self.resume_from).version if self.resume_from else 0
-        self.recorded = initial  # the step of the last record (a batch's last version)
-        self.record = StepRecord(
-            MetricsAggregator(sinks(cfg, initial)),
-            trainer.records,
-            self.coordinator.snapshot(),
-            asyncio.get_running_loop().time(),
-        )
-        self.checkpointed = -1
-        self.workload = WorkloadRecorder(
-            _workload_meta(cfg, trainer.virtual_clock),
-            start=asyncio.get_running_loop().time(),
-            seed=cfg.seed,
-        )
-        self.generation = Generation(
+        policy = self.backend.policy()
+        evaluator = Evaluator(cfg, self.workflow, self.eval_tasks, callbacks)
+        evals = EvalSchedule(evaluator, cfg, policy, coord.wait_unpaused)
+        resume_from = checkpoint.resume_path(cfg.checkpoint.resume, cfg.run_path)
+        initial = checkpoint.read_state(resume_from).version if resume_from else 0
+        record = StepRecord.from_config(cfg, self.records, coord.snapshot(), now, initial)
+        meta = _workload_meta(cfg, self.virtual_clock)
+        workload = WorkloadRecorder(meta, start=now, seed=cfg.seed)
+        generation = Generation(cfg, self.workflow, policy, coord, buffer, source, record, workload)
+        return _Fit(
             cfg,
             self.workflow,
-            self.policy,
-            self.coordinator,
-            self.buffer,
-            self.source,
-            self.record,
-            self.workload,
+            self.backend,
+            coord,
+            callbacks,
+            policy,
+            buffer,
+            source,
+            evals,
+            record,
+            workload,
+            generation,
+            resume_from,
+            recorded=initial,
         )
 
-    def _epoch_started(self, epoch: int) -> None:
-        for cb in self.callbacks:
-            cb.on_epoch_start(epoch)
 
-    def _epoch_ended(self, epoch: int) -> None:
-        for cb in self.callbacks:
-            cb.on_epoch_end(epoch)
+@dataclass(eq=False)
+class _Fit:
+    """One call of `fit()`: the generation and training loops, and the state that lives as long
+    as they do (the buffer, the data's position, the guards, the step record), all built by
+    `_set_up` at its start."""
+
+    config: Config
+    workflow: Workflow
+    backend: Backend
+    coordinator: SyncCoordinator
+    callbacks: list[Callback]
+    policy: PolicyClient
+    buffer: TrajectoryGroupBuffer
+    source: TaskSource
+    evals: EvalSchedule
+    record: StepRecord
+    workload: WorkloadRecorder
+    generation: Generation
+    resume_from: Path | None
+    recorded: int  # the step of the last record (a batch's last version)
+    checkpointed: int = -1
 
     async def start(self) -> None:
         """Start the workflow, resume from a checkpoint, and score the starting policy if asked
@@ -232,7 +228,7 @@ class _Fit:
             self.record.flush_extra(self.recorded, asyncio.get_running_loop().time())
         self.record.close()
         self.workload.meta["groups"] = coord.snapshot()
-        self.workload.write(self.run_path)
+        self.workload.write(self.config.run_path)
         try:
             try:
                 await asyncio.wait_for(self.workflow.close(), timeout=30)
@@ -262,6 +258,7 @@ class _Fit:
         """Train one batch of `groups_per_step` groups: its `mini_batches` optimizer steps, the
         first pass streaming groups into `forward_backward` as they arrive, then the kept groups
         again for each further epoch; the number of groups trained, 0 when the data ran out.
+        What its helpers return goes into the step's record once, also when it stops early.
 
         With recomputed old logprobs the whole batch is taken before its first optimizer step:
         the later mini-batches stream into `recompute_logprobs` instead, and are trained after.
@@ -269,34 +266,38 @@ class _Fit:
         tr = self.config.train
         ahead = self.config.algorithm.loss.behaviour_logprobs == "recomputed"
         kept: list[list[ReadyGroup]] = []
-        idle = 0.0
-        for i in range(tr.mini_batches):
-            consume = self._recompute_logprobs if ahead and i else self._forward_backward
-            mini, waited = await self._take(tr.groups_per_update, consume)
-            if not mini:
-                break
-            kept.append(mini)
-            idle += waited
-            if not ahead:
-                await self._optimizer_step(idle)
-                idle = 0.0
-        for epoch in range(tr.epochs_per_batch):
-            for i, mini in enumerate(kept):
-                if epoch or (ahead and i):
-                    for start in range(0, len(mini), tr.micro_batch_groups):
-                        await self._forward_backward(mini[start : start + tr.micro_batch_groups])
-                if epoch or ahead:
-                    await self._optimizer_step(idle)
-                    idle = 0.0
+        metrics = StepMetrics()
+        try:
+            for i in range(tr.mini_batches):
+                consume = self._recompute_logprobs if ahead and i else self._forward_backward
+                mini, taken = await self._take(tr.groups_per_update, consume)
+                metrics.extend(taken)
+                if not mini:
+                    break
+                kept.append(mini)
+                if not ahead:
+                    metrics.add(await self._optimizer_step(), OPTIM_STEP)
+            for epoch in range(tr.epochs_per_batch):
+                for i, mini in enumerate(kept):
+                    if epoch or (ahead and i):
+                        for start in range(0, len(mini), tr.micro_batch_groups):
+                            micro = mini[start : start + tr.micro_batch_groups]
+                            metrics.add(await self._forward_backward(micro), FORWARD_BACKWARD)
+                    if epoch or ahead:
+                        metrics.add(await self._optimizer_step(), OPTIM_STEP)
+        finally:
+            self.record.add_step(metrics)
         return sum(len(mini) for mini in kept)
 
     async def _take(
-        self, size: int, consume: Callable[[list[ReadyGroup]], Awaitable[None]]
-    ) -> tuple[list[ReadyGroup], float]:
+        self, size: int, consume: Callable[[list[ReadyGroup]], Awaitable[dict[str, float]]]
+    ) -> tuple[list[ReadyGroup], StepMetrics]:
         """Consume up to `size` groups, streaming micro-batches into `consume`; the groups (fewer
-        when the data ran out) and the seconds spent waiting for them."""
-        cfg, coord, record = self.config, self.coordinator, self.record
+        when the data ran out) and the metrics of taking and consuming them, the seconds spent
+        waiting for them among those when any came."""
+        cfg, coord = self.config, self.coordinator
         loop = asyncio.get_running_loop()
+        metrics = StepMetrics()
         taken: list[ReadyGroup] = []
         micro: list[ReadyGroup] = []
         idle = 0.0
@@ -309,30 +310,32 @@ class _Fit:
             if coord.too_stale(ready.min_version):
                 requeue = cfg.coordinator.stale_policy == "requeue"
                 coord.move(GroupState.BUFFERED, GroupState.DROPPED_STALE, requeued=requeue)
-                record.add({"tokens/wasted": ready.dispatch.tokens})
+                metrics.add({"tokens/wasted": ready.dispatch.tokens})
                 if requeue:
                     self.source.requeue(ready.dispatch.task)
                 continue
             coord.move(GroupState.BUFFERED, GroupState.CONSUMED)
-            record.add_consumed(ready, coord.staleness(ready.min_version))
+            metrics.add_consumed(ready, coord.staleness(ready.min_version))
             taken.append(ready)
             micro.append(ready)
             if len(micro) == cfg.train.micro_batch_groups:
-                await consume(micro)
+                metrics.add(await consume(micro), FORWARD_BACKWARD)
                 micro = []
         if micro:
-            await consume(micro)
-        return taken, idle
+            metrics.add(await consume(micro), FORWARD_BACKWARD)
+        if taken:
+            metrics.add({"async/trainer_idle_s": idle})
+        return taken, metrics
 
-    async def _optimizer_step(self, idle: float) -> None:
+    async def _optimizer_step(self) -> dict[str, float]:
         """Step the optimizer and bump the version; the engine gets the new weights when a sync
-        is due (see `SyncCoordinator.sync_due`) and after the last step."""
-        coord, record = self.coordinator, self.record
+        is due (see `SyncCoordinator.sync_due`) and after the last step. Returns the backend's
+        metrics and the step's times."""
+        coord = self.coordinator
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        record.add(await self.backend.optim_step(), OPTIM_STEP)
+        metrics = await self.backend.optim_step()
         optim_s = loop.time() - t0
-        record.add({"time/optim_step_s": optim_s})
         version = coord.version + 1
         hook_s = sync_s = 0.0
         if coord.sync_due(version) or version >= self.config.train.total_steps:
@@ -341,36 +344,33 @@ class _Fit:
             self.workload.phase(loop.time(), None)
         else:
             coord.advance(version)
-        record.add(
-            {
-                "time/sync_s": sync_s,
-                "time/sync_overhead_s": sync_s - hook_s,
-                "async/trainer_idle_s": idle,
-            }
-        )
         self.workload.step(version, loop.time(), optim_s, sync_s)
+        return {
+            **metrics,
+            "time/optim_step_s": optim_s,
+            "time/sync_s": sync_s,
+            "time/sync_overhead_s": sync_s - hook_s,
+        }
 
-    async def _forward_backward(self, micro: list[ReadyGroup]) -> None:
+    async def _forward_backward(self, micro: list[ReadyGroup]) -> dict[str, float]:
+        """Accumulate the gradients of `micro`; the backend's metrics and the seconds it took."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         groups = [g for ready in micro for g in ready.groups]
         self.workload.phase(t0, "train")
-        self.record.add(
-            await self.backend.forward_backward(groups, self.config.algorithm.loss),
-            FORWARD_BACKWARD,
-        )
+        metrics = await self.backend.forward_backward(groups, self.config.algorithm.loss)
         seconds = loop.time() - t0
         self.workload.phase(t0 + seconds, None)
-        self.record.add({"time/forward_backward_s": seconds})
         self.workload.trained(sum(g.num_completion_tokens for g in groups), seconds)
+        return {**metrics, "time/forward_backward_s": seconds}
 
-    async def _recompute_logprobs(self, micro: list[ReadyGroup]) -> None:
+    async def _recompute_logprobs(self, micro: list[ReadyGroup]) -> dict[str, float]:
         """Have the backend keep the current policy's logprobs of `micro` as their old ones."""
         assert isinstance(self.backend, RecomputesLogprobs)  # checked at construction
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await self.backend.recompute_logprobs([g for ready in micro for g in ready.groups])
-        self.record.add({"time/recompute_logprobs_s": loop.time() - t0})
+        return {"time/recompute_logprobs_s": loop.time() - t0}
 
     async def _after_step(
         self, num_groups: int, generation: asyncio.Task[None], evals: asyncio.TaskGroup
@@ -389,7 +389,8 @@ class _Fit:
         self._count_groups(counts)
         record.add(record.step_metrics(counts, loop.time(), coord.take_generation_idle()))
         record.add({"data/epoch": self.source.epoch, "train/groups": num_groups})
-        record.add({f"workflow/{k}": v for k, v in self.workflow.step_metrics().items()}, "last")
+        workflow = self.workflow.step_metrics()
+        record.add({f"workflow/{k}": v for k, v in workflow.items()}, WORKFLOW_STEP)
         finished = await self.evals.after_step(step, evals)
         if finished:
             record.add(finished[0], EVALUATION)
@@ -449,7 +450,7 @@ class _Fit:
             return CheckpointState(version, self.source.state(pending))
 
         keep_last = self.config.checkpoint.keep_last
-        await checkpoint.save(self.run_path, self.backend, version, state, keep_last)
+        await checkpoint.save(self.config.run_path, self.backend, version, state, keep_last)
         self.checkpointed = version
 
 
@@ -488,6 +489,12 @@ def _workload_meta(config: Config, virtual_clock: bool) -> dict[str, Any]:
         "late_concurrency": ro.late_concurrency,
         "max_tokens": ro.max_tokens,
     }
+
+
+def _notify(callbacks: list[Callback], hook: str, epoch: int) -> None:
+    """Call the epoch hook `hook` of every callback."""
+    for cb in callbacks:
+        getattr(cb, hook)(epoch)
 
 
 def _write_config(config: Config, path: Path) -> None:
