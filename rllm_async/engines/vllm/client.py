@@ -84,6 +84,9 @@ class VLLMPolicy:
             trust_env=False,
         )
         self._sync_timeout = httpx.Timeout(sync_timeout_s, connect=connect_timeout_s)
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self._sync_timeout_s = sync_timeout_s
         self._opened = False
         self._open_lock = asyncio.Lock()
         self._serving = asyncio.Event()  # cleared while a weight sync runs
@@ -253,10 +256,15 @@ class VLLMPolicy:
             # still held the reset refuses; then requests in flight are preempted as well, and
             # recompute their context with the new weights.
             reset = await self._post(server, "/reset_prefix_cache")
-            if not (reset or {}).get("success", False):
-                await self._post(
+            if not _succeeded(reset):
+                reset = await self._post(
                     server, "/reset_prefix_cache", params={"reset_running_requests": "true"}
                 )
+                if not _succeeded(reset):
+                    raise VLLMServerError(
+                        f"{server.url}/reset_prefix_cache refused to drop the prefixes cached "
+                        f"under the old weights, also with running requests reset ({reset!r})"
+                    )
             await self._label(server, version)
         except VLLMServerError as e:
             failure = e
@@ -305,7 +313,13 @@ class VLLMPolicy:
                 f"({type(e).__name__}): did the server die?"
             ) from e
         except httpx.TimeoutException as e:
-            raise VLLMServerError(f"{url} timed out ({type(e).__name__})") from e
+            if isinstance(e, httpx.ConnectTimeout):
+                what = f"no connection within {self._connect_timeout_s:g}s"
+            elif long:
+                what = f"no answer to {path} within {self._read_timeout_s:g}s (read_timeout_s)"
+            else:
+                what = f"no answer to {path} within {self._sync_timeout_s:g}s (sync_timeout_s)"
+            raise VLLMServerError(f"the vLLM server at {server.url} timed out: {what}") from e
         except httpx.HTTPError as e:
             raise VLLMServerError(f"{url} failed: {type(e).__name__}: {e}") from e
         if response.status_code >= 400:
@@ -369,6 +383,11 @@ def _parse_choice(url: str, body: Any) -> _Choice:
             f"{len(ids) - versions.count(-1)}: each token needs both"
         )
     return _Choice(ids, logprobs, versions, finish)
+
+
+def _succeeded(answer: Any) -> bool:
+    """Whether a `/reset_prefix_cache` answer says the cache was dropped."""
+    return isinstance(answer, dict) and answer.get("success") is True
 
 
 def _pin_error(wanted: int, served: int) -> str:

@@ -45,6 +45,10 @@ class VLLMOptions(BaseModel):
     # weights (their context is recomputed), or `abort` them and send prompt + tokens so far again.
     partial_rollouts: Literal["keep", "abort"] = "keep"
     startup_timeout_s: float = Field(default=180.0, gt=0.0)
+    # How long a generation (or a pause waiting for requests in flight) may go without an answer,
+    # and how long each control call of a weight sync may take, before the server is reported.
+    read_timeout_s: float = Field(default=600.0, gt=0.0)
+    sync_timeout_s: float = Field(default=60.0, gt=0.0)
     extra_args: list[str] = Field(default_factory=list)  # more `vllm serve` flags
 
 
@@ -77,7 +81,7 @@ class VLLMEngine:
             if opts.urls:
                 urls = list(opts.urls)
                 # The user's servers may hold other weights (no warm start, an older run): ours.
-                _run(_reload_once(urls, tokenizer, max_seq_len, model_dir))
+                _run(_reload_once(self._client(opts, urls, tokenizer, max_seq_len), model_dir))
             else:
                 self._servers = [
                     VLLMServer(
@@ -97,7 +101,19 @@ class VLLMEngine:
         except BaseException:
             self.stop()
             raise
-        self.policy = VLLMPolicy(urls, tokenizer, max_context_tokens=max_seq_len)
+        self.policy = self._client(opts, urls, tokenizer, max_seq_len)
+
+    @staticmethod
+    def _client(
+        opts: VLLMOptions, urls: list[str], tokenizer: Tokenizer, max_seq_len: int
+    ) -> VLLMPolicy:
+        return VLLMPolicy(
+            urls,
+            tokenizer,
+            max_context_tokens=max_seq_len,
+            read_timeout_s=opts.read_timeout_s,
+            sync_timeout_s=opts.sync_timeout_s,
+        )
 
     def write(self, state: Mapping[str, torch.Tensor]) -> Path:
         """Write weights (Hugging Face names) for the next sync; blocking, for a worker thread."""
@@ -150,8 +166,6 @@ async def _start_all(servers: list[VLLMServer]) -> None:
     await asyncio.gather(*(s.start() for s in servers))
 
 
-async def _reload_once(
-    urls: list[str], tokenizer: Tokenizer, max_seq_len: int, model_dir: Path
-) -> None:
-    async with VLLMPolicy(urls, tokenizer, max_context_tokens=max_seq_len) as client:
+async def _reload_once(client: VLLMPolicy, model_dir: Path) -> None:
+    async with client:
         await client.update_weights(model_dir, 0, mode="wait")

@@ -1,0 +1,235 @@
+"""The vLLM client and engine against a scripted HTTP server: a weight sync whose prefix-cache
+reset fails, a server that never answers, and the engine's timeout options."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rllm_async.backends.base import SamplingParams
+from rllm_async.backends.local.backend import LocalOptions
+from rllm_async.backends.toy_tokenizers import CharTokenizer
+from rllm_async.engines.vllm import VLLMPolicy, VLLMServerError, write_weights
+from rllm_async.engines.vllm.engine import VLLMEngine, VLLMOptions
+
+ANSWER = {
+    "choices": [
+        {
+            "token_ids": [7, 8],
+            "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -0.25}]},
+            "weight_versions": [{"version": "0", "start": 0, "end": 2}],
+            "finish_reason": "stop",
+        }
+    ]
+}
+HANG = object()  # a route that accepts the request and never answers
+
+Route = Callable[[str], Any]  # query string -> JSON answer, HANG, or an awaitable of either
+
+
+def answers(**overrides: Any) -> Route:
+    """Answers per route name (`generate`, `pause`, `reset_prefix_cache`, ...): a JSON value, HANG,
+    or a function of the query string; unnamed routes answer `{"success": true}`."""
+
+    def route(path_and_query: str) -> Any:
+        path, _, query = path_and_query.partition("?")
+        answer = overrides.get(
+            path.rsplit("/", 1)[-1], ANSWER if path.endswith("/generate") else {"success": True}
+        )
+        return answer(query) if callable(answer) else answer
+
+    return route
+
+
+@asynccontextmanager
+async def server(route: Route) -> AsyncIterator[tuple[str, list[str]]]:
+    """An HTTP/1.1 server on 127.0.0.1 answering each POST by `route`; yields its URL and the
+    paths (with query strings) it was sent, in order."""
+    seen: list[str] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                target = head.split(b" ")[1].decode()
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length")
+                    ),
+                    0,
+                )
+                await reader.readexactly(length)
+                seen.append(target)
+                answer = route(target)
+                if asyncio.iscoroutine(answer):
+                    answer = await answer
+                if answer is HANG:
+                    await asyncio.Event().wait()
+                body = json.dumps(answer).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    + f"content-length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the client left, or the server closes
+        finally:
+            writer.close()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    async with srv:
+        yield f"http://127.0.0.1:{port}", seen
+        srv.close()  # Python 3.12+ would wait for the hanging handlers otherwise
+
+
+@pytest.fixture
+def weights(tmp_path: Path) -> Path:
+    return write_weights({"model.embed_tokens.weight": torch.zeros(4, 2)}, tmp_path / "w")
+
+
+async def _slow(answer: Any, seconds: float) -> Any:
+    await asyncio.sleep(seconds)
+    return answer
+
+
+def test_a_failed_prefix_cache_reset_fails_the_sync_and_generation_resumes(
+    weights: Path,
+) -> None:
+    """Both resets refuse: the sync raises naming the server, resumes it, and keeps the old
+    version; a generate sent while the sync ran is answered afterwards."""
+    route = answers(
+        pause=lambda _: _slow({}, 0.3),  # the generate below is queued behind the sync
+        reset_prefix_cache={"success": False},
+    )
+
+    async def go() -> None:
+        async with (
+            server(route) as (url, seen),
+            VLLMPolicy([url], CharTokenizer(), max_context_tokens=64) as policy,
+        ):
+            sync = asyncio.create_task(policy.update_weights(weights, 1))
+            await asyncio.sleep(0.1)
+            queued = asyncio.create_task(policy.generate([1, 2], SamplingParams(max_tokens=4)))
+            with pytest.raises(VLLMServerError, match=rf"{url}/reset_prefix_cache refused"):
+                await sync
+            out = await asyncio.wait_for(queued, 5)
+            assert (out.ids, out.versions) == ([7, 8], [0, 0])
+            assert policy.version == 0
+            resets = [p for p in seen if p.startswith("/reset_prefix_cache")]
+            assert resets == [
+                "/reset_prefix_cache",
+                "/reset_prefix_cache?reset_running_requests=true",
+            ]
+            assert "/resume" in seen and seen.index("/resume") < seen.index(
+                "/inference/v1/generate"
+            )
+            paths = [p.partition("?")[0] for p in seen]
+            assert "/update_weight_version" not in paths[paths.index("/pause") :]
+
+    asyncio.run(go())
+
+
+def test_a_reset_that_succeeds_the_second_time_completes_the_sync(weights: Path) -> None:
+    route = answers(reset_prefix_cache=lambda query: {"success": "reset_running_requests" in query})
+
+    async def go() -> None:
+        async with (
+            server(route) as (url, seen),
+            VLLMPolicy([url], CharTokenizer(), max_context_tokens=64) as policy,
+        ):
+            sync = await policy.update_weights(weights, 1)
+            assert sync.version == policy.version == 1
+            assert seen[-2:] == ["/update_weight_version", "/resume"]
+
+    asyncio.run(go())
+
+
+def test_a_server_that_never_answers_times_out_naming_it() -> None:
+    async def go() -> None:
+        async with server(answers(generate=HANG)) as (url, _):
+            policy = VLLMPolicy([url], CharTokenizer(), max_context_tokens=64, read_timeout_s=0.5)
+            async with policy:
+                start = time.monotonic()
+                with pytest.raises(
+                    VLLMServerError,
+                    match=rf"vLLM server at {url} timed out: no answer to /inference/v1/generate "
+                    r"within 0.5s \(read_timeout_s\)",
+                ):
+                    await policy.generate([1, 2], SamplingParams(max_tokens=4))
+                assert 0.5 <= time.monotonic() - start < 2.0
+                assert policy.in_flight() == {url: 0}
+
+    asyncio.run(go())
+
+
+def test_a_sync_call_that_never_answers_times_out_and_resumes(weights: Path) -> None:
+    async def go() -> None:
+        async with (
+            server(answers(collective_rpc=HANG)) as (url, seen),
+            VLLMPolicy([url], CharTokenizer(), max_context_tokens=64, sync_timeout_s=0.5) as policy,
+        ):
+            start = time.monotonic()
+            with pytest.raises(VLLMServerError, match=rf"{url} timed out.*\(sync_timeout_s\)"):
+                await policy.update_weights(weights, 1)
+            assert time.monotonic() - start < 2.0
+            assert seen[-1] == "/resume" and policy.version == 0
+
+    asyncio.run(go())
+
+
+def test_the_timeouts_are_engine_options_with_their_defaults() -> None:
+    opts = VLLMOptions()
+    assert (opts.read_timeout_s, opts.sync_timeout_s) == (600.0, 60.0)
+    parsed = LocalOptions.model_validate({"vllm": {"read_timeout_s": 5, "sync_timeout_s": 2}})
+    assert (parsed.vllm.read_timeout_s, parsed.vllm.sync_timeout_s) == (5.0, 2.0)
+    with pytest.raises(ValueError):
+        VLLMOptions(read_timeout_s=0)
+
+
+def test_the_engine_gives_its_client_the_timeouts(tmp_path: Path) -> None:
+    """An engine on a user's server (`urls`): its start-up reload lands there, and its client
+    stops waiting for an answer after `read_timeout_s`."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+
+    async def run_engine(url: str) -> VLLMEngine:
+        opts = VLLMOptions(urls=[url], read_timeout_s=0.5, weights_dir=str(tmp_path / "shm"))
+        return await asyncio.to_thread(
+            VLLMEngine,
+            opts,
+            checkpoint=checkpoint,
+            state={"model.embed_tokens.weight": torch.zeros(4, 2)},
+            tokenizer=CharTokenizer(),
+            max_seq_len=64,
+            run_dir=tmp_path / "run",
+            mode="keep",
+        )
+
+    async def go() -> None:
+        async with server(answers(generate=HANG)) as (url, seen):
+            engine = await run_engine(url)
+            try:
+                assert engine.policy.urls == [url]
+                assert "/collective_rpc" in seen and seen[-1] == "/resume"
+                start = time.monotonic()
+                with pytest.raises(VLLMServerError, match=rf"{url} timed out.*within 0.5s"):
+                    await engine.policy.generate([1, 2], SamplingParams(max_tokens=4))
+                assert time.monotonic() - start < 2.0
+            finally:
+                await engine.policy.close()
+                engine.stop()
+
+    asyncio.run(go())
