@@ -25,6 +25,16 @@ class CheckpointState:
     source: dict[str, Any]  # `TaskSource.state(pending)`: the data position and pending tasks
 
 
+def step_path(run_dir: Path, step: int | str) -> Path:
+    """Where the checkpoint of `step` of a run lives: `checkpoints/step_<step>/`."""
+    return run_dir / "checkpoints" / f"step_{step}"
+
+
+def step_of(path: Path) -> int:
+    """The step of the checkpoint directory at `path`."""
+    return int(path.name.removeprefix("step_"))
+
+
 def is_checkpoint(path: Path) -> bool:
     """Whether `path` is a complete checkpoint directory."""
     return (path / _STATE).exists()
@@ -40,7 +50,7 @@ def checkpoints(run_dir: Path) -> list[Path]:
         for p in root.iterdir()
         if p.name.startswith("step_") and p.name[5:].isdigit() and is_checkpoint(p)
     ]
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    return sorted(found, key=step_of)
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -65,8 +75,8 @@ async def save(
     """Write `checkpoints/step_<version>/` atomically (into a temporary name, then renamed) and
     delete all but the newest `keep_last` checkpoints. `state` is taken once the backend's state
     is written, so that it holds the data's position as of then."""
-    root = run_dir / "checkpoints"
-    final, tmp = root / f"step_{version}", root / f".step_{version}.tmp"
+    final = step_path(run_dir, version)
+    tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     await backend.save(tmp / "backend")

@@ -67,7 +67,7 @@ def _checkpoint(run_dir: Path, which: str | None) -> Path:
     if which is None:
         return checkpoint.resolve(run_dir, "RUN_DIR")
     if which.isdigit():
-        path = run_dir / "checkpoints" / f"step_{which}"
+        path = checkpoint.step_path(run_dir, which)
         if not checkpoint.is_checkpoint(path):
             steps = [p.name.removeprefix("step_") for p in checkpoint.checkpoints(run_dir)]
             raise ConfigError(
