@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -40,6 +41,51 @@ def _in(module: str, *prefixes: str) -> bool:
 
 def _imports_of(*prefixes: str) -> set[tuple[str, str]]:
     return {(s, t) for s, targets in GRAPH.items() if _in(s, *prefixes) for t in targets}
+
+
+def _diagram() -> tuple[list[list[str]], list[str], str]:
+    """The layers docs/architecture.md draws: the core's lines from the top, the concrete parts,
+    and the highest of the core's lines that the concrete parts may import."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    block = doc.split("## Layers", 1)[1].split("```", 2)[1]
+    # Each line: its layers, then (after two spaces or more) what they are.
+    lines = [re.split(r"\s{2,}", line.strip())[0] for line in block.strip().split("\n")]
+    split = next(i for i, line in enumerate(lines) if line.startswith("concrete: "))
+    core = [line.removeprefix("-> ").split(", ") for line in lines[:split]]
+    concrete = lines[split].removeprefix("concrete: ").split(", ")
+    return core, concrete, lines[split + 1].removeprefix("-> ").split()[0]
+
+
+CORE_LINES, CONCRETE_LAYERS, CONCRETE_IMPORT_FROM = _diagram()
+LAYERS = {
+    ig._short(src): {ig._short(t) for t in targets}
+    for src, targets in ig.layer_graph(GRAPH).items()
+}
+
+
+def _line(layer: str) -> int:
+    return next(i for i, line in enumerate(CORE_LINES) if layer in line)
+
+
+def test_the_architecture_diagram_places_every_layer_once() -> None:
+    drawn = [layer for line in CORE_LINES for layer in line] + CONCRETE_LAYERS
+    assert len(drawn) == len(set(drawn)), "a layer drawn twice"
+    assert set(drawn) == set(LAYERS), "the diagram names every layer, and only those"
+
+
+def test_no_layer_imports_a_layer_above_it() -> None:
+    """Each core layer imports only its line and those below; a concrete part, other concrete
+    parts and the core's lines from `rollout` down (the core importing a concrete part is the
+    test below's)."""
+    floor = _line(CONCRETE_IMPORT_FROM)
+    upward = {
+        (src, dst)
+        for src, targets in LAYERS.items()
+        for dst in targets
+        if dst not in CONCRETE_LAYERS
+        and _line(dst) < (floor if src in CONCRETE_LAYERS else _line(src))
+    }
+    assert upward == set()
 
 
 def test_the_graph_sees_the_package() -> None:
