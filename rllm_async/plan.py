@@ -1,205 +1,25 @@
 """`rllm-async plan`: fit a sim workload to a recorded run, replay candidate settings, recommend one.
 
-The replay is the real trainer on the sim backend's virtual clock. What comes from the record:
-rollout lengths (drawn from the recorded ones), the engine's decode rate as a function of the
-number of active rollouts (fitted), training seconds per completion token, optimizer-step and
-weight-sync seconds. What is assumed: see `Fit.assumed`.
+The replay is the real trainer on the sim backend's virtual clock, on the workload that
+`workload_fit.py` fits to the record (what it measured and assumed: `Fit.measured`, `Fit.assumed`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rllm_async.backends.sim import ps_rate
-from rllm_async.config import Config, ConfigError, load_config
+from rllm_async.config import Config, load_config
 from rllm_async.simulate import run_config
 from rllm_async.workflows.sim import SimWorkflow
-from rllm_async.workload_record import OFFSETS, RolloutRow, Workload, read_workload
-
-DEFAULT_N_HALF = 64.0
-
-
-@dataclass
-class Fit:
-    """A sim workload fitted to a record: the sim backend's options and the rollout lengths."""
-
-    lengths: list[int]
-    rmax: float
-    n_half: float
-    train_rate: float
-    t_optim: float
-    t_sync: float
-    meta: dict[str, Any]
-    measured_step_s: float
-    filter_rate: float = 0.0
-    train_share: float = 1.0  # of the decode rate, while the learner trains
-    sync_share: float = 1.0  # of the decode rate, while it syncs weights
-    measured: list[str] = field(default_factory=list)
-    assumed: list[str] = field(default_factory=list)
-
-    def scaled(self, servers: float = 1.0, batch: float = 1.0) -> Fit:
-        """This workload with `servers` times the rollout servers and `batch` times the groups."""
-        meta = dict(self.meta)
-        meta["max_concurrency"] = max(1, round(meta["max_concurrency"] * servers))
-        meta["groups_per_step"] = max(1, round(meta["groups_per_step"] * batch))
-        assumed = list(self.assumed)
-        if servers != 1:
-            assumed.append(
-                f"{servers:g}x rollout servers: decode rate and concurrency scale linearly "
-                "(identical servers, perfect load balance); the trainer is unchanged"
-            )
-        if batch != 1:
-            assumed.append(
-                f"{batch:g}x groups per step: training time grows with the tokens, "
-                "optimizer-step and weight-sync times stay as measured"
-            )
-        return Fit(
-            self.lengths,
-            self.rmax * servers,
-            self.n_half * servers,
-            self.train_rate,
-            self.t_optim,
-            self.t_sync,
-            meta,
-            math.nan if servers != 1 or batch != 1 else self.measured_step_s,
-            self.filter_rate,
-            self.train_share,
-            self.sync_share,
-            list(self.measured),
-            assumed,
-        )
-
-
-def fit(workload: Workload) -> Fit:
-    """Fit the sim backend's parameters to a recorded workload."""
-    rows = [r for r in workload.rollouts if r.completion > 0 and r.end > r.start]
-    steps = workload.steps
-    if not rows or not steps:
-        raise ConfigError("the recorded workload has no finished rollouts or no steps to fit")
-    meta = workload.meta
-    # Rollouts still running at the end were never recorded, and those are the long ones: the
-    # lengths come from rollouts that started early enough that any of the observed durations
-    # would have finished.
-    end = max(r.end for r in rows)
-    longest = max(r.end - r.start for r in rows)
-    early = [r for r in rows if r.start <= end - longest]
-    drawn = early if len(early) >= min(len(rows), 100) else rows
-    measured = [
-        f"rollout lengths: {len(drawn)} recorded rollouts that started {longest:.1f} s or more "
-        f"before the end ({workload.rollouts_seen} finished)",
-        "training seconds per completion token, optimizer-step and weight-sync seconds: "
-        f"{len(steps)} recorded steps",
-        "step times after the first step, which holds the engine's warm-up (measured and "
-        "replayed alike)",
-    ]
-    assumed = [
-        "one model call per rollout decoding its recorded completion; prompt prefill, tool and "
-        "environment time are not modelled",
-        "groups are filtered at the recorded rate, independently of the setting; no failures",
-        "the engine shares its decode rate evenly over the active rollouts (processor sharing)",
-        "training seconds per token are what this run measured, beside generation or not",
-    ]
-    # The first step holds the engine's warm-up (vLLM's first batch took 19 s where later ones
-    # took about 1 s): it is left out of the decode rate and of the measured step time.
-    warm = [r for r in rows if r.end > steps[0].end]
-    if len(warm) >= min(100, len(rows) // 2):
-        rows = warm
-    phased = all(r.inv_train is not None and r.inv_sync is not None for r in rows)
-    rmax, n_half, identified, shares = _fit_rate(rows)
-    if phased:
-        measured.append(
-            f"decoding beside the learner: {shares[0]:.0%} of the rate while it trains, "
-            f"{shares[1]:.0%} while it syncs weights"
-        )
-    else:
-        assumed.append(
-            "generation decodes at its full rate while the learner trains and syncs weights "
-            "(a record from before these were measured)"
-        )
-    active = [r.active for r in rows]
-    rate = f"R(n) = {rmax:.0f} n / (n + {n_half:g}) tok/s"
-    if identified:
-        measured.append(
-            f"decode rate vs concurrency: {rate}, fitted on {min(active):.0f}-{max(active):.0f} "
-            "mean active rollouts"
-        )
-    else:
-        assumed.append(
-            f"decode rate vs concurrency: {rate}; concurrency hardly varied "
-            f"({min(active):.0f}-{max(active):.0f} active), so n_half = {n_half:g} is assumed "
-            "and rmax follows from it"
-        )
-    tokens = sum(s.tokens for s in steps)
-    train_s = sum(s.train_s for s in steps)
-    train_rate = tokens / train_s if train_s > 0 else 1e12
-    groups = meta.get("groups", {})
-    ended = sum(groups.get(k, 0) for k in ("consumed", "filtered", "failed", "dropped_stale"))
-    filter_rate = groups.get("filtered", 0) / ended if ended else 0.0
-    measured.append(f"filtered groups: {filter_rate:.1%} of the {ended} that ended")
-    n = len(steps)
-    measured_step_s = (
-        (steps[-1].end - steps[0].end) / (n - 1)
-        if n > 1
-        else steps[0].end - float(meta.get("start", 0.0))
-    )
-    return Fit(
-        lengths=sorted(r.completion for r in drawn),
-        rmax=rmax,
-        n_half=n_half,
-        train_rate=train_rate,
-        t_optim=sum(s.optim_s for s in steps) / n,
-        t_sync=sum(s.sync_s for s in steps) / n,
-        meta=meta,
-        measured_step_s=measured_step_s,
-        filter_rate=filter_rate,
-        train_share=shares[0],
-        sync_share=shares[1],
-        measured=measured,
-        assumed=assumed,
-    )
-
-
-def _fit_rate(rows: list[RolloutRow]) -> tuple[float, float, bool, tuple[float, float]]:
-    """rmax and n_half of R(n) = rmax n / (n + n_half), and the shares of it that generation keeps
-    while the learner trains and syncs, that best explain each rollout's length as
-    rmax * (free + train_share * train + sync_share * sync) of its integrals dt / (active +
-    n_half); False when n_half makes little difference. Shares are on a grid of 0.05; a phase that
-    overlapped generation for under 0.5% of it (or was not recorded) keeps share 1."""
-    lengths = np.log([r.completion for r in rows])
-    total = np.array([r.inv for r in rows])
-    train = np.array([r.inv_train or [0.0] * len(OFFSETS) for r in rows])
-    sync = np.array([r.inv_sync or [0.0] * len(OFFSETS) for r in rows])
-    free = total - train - sync
-    grid = np.linspace(0.0, 1.0, 21)
-    fits = []
-    for k in range(len(OFFSETS)):
-        seen = [p[:, k].sum() >= 0.005 * total[:, k].sum() for p in (train, sync)]
-        s_train, s_sync = (grid if on else np.ones(1) for on in seen)
-        x = (
-            free[:, k, None, None]
-            + s_train[None, :, None] * train[:, k, None, None]
-            + s_sync[None, None, :] * sync[:, k, None, None]
-        )
-        gaps = lengths[:, None, None] - np.log(np.maximum(x, 1e-300))  # log rmax
-        residual = gaps.var(axis=0)
-        i, j = np.unravel_index(int(np.argmin(residual)), residual.shape)
-        # Tokens over integrals summed over the rollouts, the throughput the engine kept, rather
-        # than a mean of their ratios, which first-come-first-served scheduling biases upwards.
-        rmax = float(np.exp(lengths).sum() / x[:, i, j].sum())
-        fits.append((float(residual[i, j]), rmax, (float(s_train[i]), float(s_sync[j]))))
-    residual = np.array([f[0] for f in fits])
-    best = int(np.argmin(residual))
-    default = OFFSETS.index(DEFAULT_N_HALF)
-    if residual[default] - residual[best] < 1e-4:  # a 1% error in rmax either way
-        best = default
-    identified = best != default or bool(np.ptp(residual) >= 1e-4)
-    return fits[best][1], OFFSETS[best], identified, fits[best][2]
+from rllm_async.workload_fit import Fit, fit
+from rllm_async.workload_record import read_workload
 
 
 @dataclass(frozen=True)
