@@ -60,6 +60,7 @@ async def messages(api: API, request: Request) -> Response:
         template_kwargs={},
         sampling=sampling,
         prompt_param="messages",
+        parallel=req.parallel_tool_use,
     )
     body = message_object(req, turn, model=api.gw.model, tok=api.gw.policy.tokenizer)
     name_reply(body.id, [turn.step])

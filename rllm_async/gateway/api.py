@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rllm_async.backends.base import PolicyClient
+from rllm_async.gateway.conversation import keep_first_call
 from rllm_async.gateway.errors import APIError, ErrorShape, error_response, invalid
 from rllm_async.gateway.protocol import SamplingFields
 from rllm_async.gateway.sessions import Session, SessionStore
@@ -244,8 +245,10 @@ class API:
         template_kwargs: dict[str, Any],
         sampling: dict[str, Any],
         prompt_param: str,
+        parallel: bool = True,
     ) -> ChatTurn:
-        """One chat turn (Responses and Messages requests), a forced tool call opened in the prompt."""
+        """One chat turn (Responses and Messages requests), a forced tool call opened in the prompt;
+        without `parallel` tool calls, cut after its first call (`keep_first_call`)."""
         ctx = self.context(session)
         prefix = forced_prefix(ctx, forced)
         [turn] = await self.run(
@@ -262,6 +265,17 @@ class API:
             ],
             prompt_param=prompt_param,
         )
+        if not parallel:
+            stop = sampling.get("stop", ctx.sampling.stop)
+            keep_first_call(
+                ctx,
+                turn,
+                messages,
+                tools=tools,
+                prefix=prefix,
+                template_kwargs=template_kwargs or None,
+                stop=stop,
+            )
         return turn
 
 

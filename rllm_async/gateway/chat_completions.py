@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from rllm_async.gateway.api import API, forced_prefix, name_reply
-from rllm_async.gateway.conversation import reply_calls
+from rllm_async.gateway.conversation import keep_first_call, reply_calls
 from rllm_async.gateway.protocol import ChatCompletionRequest, ResponseFormat
 from rllm_async.gateway.sse import data_stream
 from rllm_async.gateway.structured import format_error
@@ -36,6 +36,12 @@ async def chat_completions(api: API, request: Request) -> Response:
             for o in overrides
         ],
     )
+    if req.parallel_tool_calls is False:
+        for turn, o in zip(turns, overrides, strict=True):
+            stop = o.get("stop", ctx.sampling.stop)
+            keep_first_call(
+                ctx, turn, messages, tools=tools, prefix=prefix, template_kwargs=kwargs, stop=stop
+            )
     headers = check_format(req.response_format, turns)
     body = _body(req, turns, api.gw.model, api.gw.policy.tokenizer)
     name_reply(body["id"], [t.step for t in turns])

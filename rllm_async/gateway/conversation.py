@@ -3,9 +3,12 @@ Anthropic Messages APIs share on the chat path."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from rllm_async.rollout import ChatTurn
+from rllm_async.rollout import ChatTurn, RolloutContext
+from rllm_async.rollout.chat import ChatHistory
+from rllm_async.rollout.tool_calls import ParsedReply
 
 
 class ChatMessages:
@@ -50,7 +53,52 @@ class ChatMessages:
 
 
 def reply_calls(turn: ChatTurn, parallel: bool) -> list[dict[str, Any]]:
-    """The reply's tool calls; the first only when parallel calls are off (the recorded tokens keep
-    every call the model wrote)."""
+    """The reply's tool calls; the first only when parallel calls are off (`keep_first_call` has
+    then cut the reply, unless its syntax could not be cut)."""
     calls: list[dict[str, Any]] = turn.message.get("tool_calls") or []
     return calls if parallel else calls[:1]
+
+
+def keep_first_call(
+    ctx: RolloutContext,
+    turn: ChatTurn,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None,
+    prefix: str,
+    template_kwargs: dict[str, Any] | None,
+    stop: Sequence[str] | str,
+) -> None:
+    """With parallel tool calls off, cut a reply of several calls after its first: the recorded
+    step keeps the sampled tokens up to the end of that call (what the client sees; the calls
+    after it are neither returned nor trained), and the reply as returned is remembered for those
+    tokens, so that the next turn extends them (its prompt closes the turn with the end-of-turn
+    token, a prompt token). A reply whose first call no prefix of its tokens parses to (one JSON
+    array of calls) keeps every token: the next turn then starts a new sequence."""
+    calls = turn.message.get("tool_calls") or []
+    if len(calls) < 2:
+        return
+    step, tok = turn.step, ctx.policy.tokenizer
+
+    def first_call(k: int) -> ParsedReply | None:
+        parsed = ctx.parser.read(
+            tok, step.prompt_ids, step.completion_ids[:k], prefix=prefix, stop=stop, tools=tools
+        )
+        found = parsed.tool_calls[:1]
+        return parsed if found and found[0]["function"] == calls[0]["function"] else None
+
+    lo, hi = 1, len(step.completion_ids)  # the shortest prefix that parses to the first call
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if first_call(mid) is not None else (mid + 1, hi)
+    parsed = first_call(lo)
+    if parsed is None or len(parsed.tool_calls) != 1:
+        return
+    shown = {**turn.message, "content": parsed.content, "tool_calls": calls[:1]}
+    step.completion_ids = step.completion_ids[:lo]
+    step.logprobs = step.logprobs[:lo]
+    step.versions = step.versions[:lo]
+    step.info["dropped_tool_calls"] = len(calls) - 1
+    history = ctx._chats.setdefault("default", ChatHistory())
+    history.add(messages, shown, tools, step.prompt_ids, step.completion_ids, template_kwargs)
+    turn.message = shown

@@ -71,6 +71,7 @@ async def responses(api: API, request: Request) -> HTTPResponse:
         template_kwargs=req.template_kwargs,
         sampling=sampling,
         prompt_param="input",
+        parallel=req.parallel_tool_calls is not False,
     )
     headers = check_format(req.response_format, [turn])
     base = api.context(session).sampling

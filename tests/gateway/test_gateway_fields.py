@@ -7,6 +7,7 @@ import asyncio
 import json
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -96,6 +97,86 @@ def test_tool_call_ids_are_unique_outside_sessions_too() -> None:
                 **CHAT, tools=[CALC], parallel_tool_calls=False
             )
             assert len(r.choices[0].message.tool_calls or []) == 1
+
+    asyncio.run(go())
+
+
+TWO_CALLS = (
+    'ok <tool_call>{"name": "calc", "arguments": {"expr": "6*7"}}</tool_call>'
+    '<tool_call>{"name": "calc", "arguments": {"expr": "1+1"}}</tool_call> done'
+)
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_without_parallel_calls_the_first_call_is_recorded_and_extended(api: str) -> None:
+    """The reply is cut after its first call: the calls after it are neither returned nor trained,
+    and the next turn extends the kept tokens, so the tool loop is one training sequence."""
+    policy = ScriptedPolicy(lambda p: "42" if "<|tool|>" in p else TWO_CALLS)
+
+    async def go() -> None:
+        async with serving(policy) as gateway:
+            session = gateway.session(context(policy, max_tokens=256))
+            url, key = f"{gateway.url}/v1", session.key
+            if api == "chat":
+                client = openai.AsyncOpenAI(base_url=url, api_key=key)
+                messages: list[Any] = [{"role": "user", "content": "6*7?"}]
+                r = await client.chat.completions.create(
+                    model="policy", messages=messages, tools=[CALC], parallel_tool_calls=False
+                )
+                message = r.choices[0].message
+                [call] = message.tool_calls or []
+                assert message.content == "ok"
+                messages += [message.model_dump(exclude_none=True)]
+                messages += [{"role": "tool", "tool_call_id": call.id, "content": "42"}]
+                await client.chat.completions.create(
+                    model="policy", messages=messages, tools=[CALC], parallel_tool_calls=False
+                )
+            elif api == "responses":
+                client = openai.AsyncOpenAI(base_url=url, api_key=key)
+                tool = {"type": "function", **CALC["function"]}
+                items: list[Any] = [{"role": "user", "content": "6*7?"}]
+                resp = await client.responses.create(
+                    model="policy", input=items, tools=[tool], parallel_tool_calls=False
+                )
+                [fc] = [o for o in resp.output if o.type == "function_call"]
+                items += [o.model_dump(exclude_none=True) for o in resp.output]
+                items += [{"type": "function_call_output", "call_id": fc.call_id, "output": "42"}]
+                await client.responses.create(
+                    model="policy", input=items, tools=[tool], parallel_tool_calls=False
+                )
+            else:
+                claude = anthropic.AsyncAnthropic(base_url=gateway.url, api_key=key)
+                tool = {"name": "calc", "input_schema": CALC["function"]["parameters"]}
+                choice: Any = {"type": "auto", "disable_parallel_tool_use": True}
+                chat: list[Any] = [{"role": "user", "content": "6*7?"}]
+                m = await claude.messages.create(
+                    model="policy", max_tokens=256, messages=chat, tools=[tool], tool_choice=choice
+                )
+                [use] = [b for b in m.content if b.type == "tool_use"]
+                chat += [{"role": "assistant", "content": [b.model_dump() for b in m.content]}]
+                chat += [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "tool_result", "tool_use_id": use.id, "content": "42"}
+                        ],
+                    }
+                ]
+                await claude.messages.create(
+                    model="policy", max_tokens=256, messages=chat, tools=[tool], tool_choice=choice
+                )
+        first, second = session.ctx.trajectory().steps
+        kept = policy.text(first.completion_ids)
+        assert kept == TWO_CALLS[: TWO_CALLS.index("</tool_call>") + len("</tool_call>")]
+        assert len(first.logprobs) == len(first.versions) == len(first.completion_ids)
+        assert first.info["dropped_tool_calls"] == 1
+        assert second.info["extended"]
+        # The turn is closed by a prompt token (not trained), then the tool's answer.
+        gap = policy.text(second.prompt_ids[len(first.prompt_ids) + len(first.completion_ids) :])
+        assert gap.startswith(policy.text([policy.tok.eos_token_id])) and "42" in gap
+        [sequence] = session.ctx.trajectory().sequences()
+        assert sum(sequence.loss_mask) == len(first.completion_ids) + len(second.completion_ids)
+        assert "1+1" not in policy.text(sequence.tokens)
 
     asyncio.run(go())
 
