@@ -128,10 +128,16 @@ class MessagesRequest(StrictModel):
     top_k: int | None = None
     stream: bool = False
     thinking: ThinkingConfig | None = None
-    # Accepted and ignored: hints for Anthropic's caching, abuse detection and capacity.
+    # Accepted and ignored: hints for Anthropic's caching, abuse detection, capacity, region,
+    # speed, billing and cache diagnostics; none changes what the policy samples.
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     cache_control: dict[str, Any] | None = None
+    speed: Literal["standard", "fast"] | None = None
+    inference_geo: str | None = None
+    diagnostics: dict[str, Any] | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> MessagesRequest:

@@ -163,6 +163,11 @@ class ResponseRequest(StrictModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
+    # Accepted and ignored: limits and options of built-in tools and image inputs (both refused)
+    # and OpenAI's access tiers; none changes what the policy samples.
+    max_tool_calls: int | None = Field(default=None, ge=0)
+    image: dict[str, Any] | None = None
+    access_programs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _supported(self) -> ResponseRequest:

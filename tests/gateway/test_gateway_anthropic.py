@@ -242,6 +242,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ),
     ({"max_tokens": 0}, "max_tokens"),
     ({"mcp_servers": []}, "mcp_servers"),
+    ({"output_config": {}}, "output_config"),
 ]
 
 
@@ -266,7 +267,9 @@ def test_refusals_come_in_the_anthropic_error_shape() -> None:
                     assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
                     assert body["error"]["type"] == "invalid_request_error"
                     assert body["error"]["message"].startswith(param), (param, body)
-                r = await http.post(url, json={**base, "metadata": {"user_id": "u"}})
+                ignored = {"metadata": {"user_id": "u"}, "speed": "fast", "inference_geo": "us"}
+                ignored |= {"diagnostics": {}, "user_profile_id": "p", "workspace_id": "w"}
+                r = await http.post(url, json={**base, **ignored})
                 assert r.status_code == 200 and Message.model_validate(r.json())
                 r = await http.post(url, json={**base, "model": "claude"})
                 assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"

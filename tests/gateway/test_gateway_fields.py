@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from pathlib import Path
+from typing import Any, get_type_hints
 
 import anthropic
 import httpx
 import pytest
+from anthropic.types.message_create_params import MessageCreateParamsBase
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.chat.completion_create_params import CompletionCreateParamsBase
+from openai.types.responses.response_create_params import ResponseCreateParamsBase
+from pydantic import BaseModel, ValidationError
 
 from rllm_async.backends.toy_tokenizers import CharTokenizer
+from rllm_async.gateway.errors import invalid
+from rllm_async.gateway.protocol import ChatCompletionRequest
+from rllm_async.gateway.protocol_anthropic import MessagesRequest
+from rllm_async.gateway.protocol_responses import ResponseRequest
 from rllm_async.rollout.tool_parsers import HermesParser
 from tests.gateway.test_gateway import CALC, KEY, serving
 from tests.scripted import ScriptedPolicy, context
@@ -317,3 +326,41 @@ def test_reasoning_effort_and_chat_template_kwargs_reach_the_template() -> None:
             assert second.info["extended"]
 
     asyncio.run(go())
+
+
+# The sections of docs/gateway.md that name each API's request fields.
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "gateway.md"
+API_FIELDS = [
+    (CompletionCreateParamsBase, ChatCompletionRequest, CHAT, "## Request fields"),
+    (
+        ResponseCreateParamsBase,
+        ResponseRequest,
+        {"model": "policy", "input": "q"},
+        "## The Responses API",
+    ),
+    (
+        MessageCreateParamsBase,
+        MessagesRequest,
+        {"model": "policy", "max_tokens": 8, "messages": [{"role": "user", "content": "q"}]},
+        "## The Anthropic Messages API",
+    ),
+]
+
+
+@pytest.mark.parametrize(("params", "model", "minimal", "section"), API_FIELDS)
+def test_every_field_of_the_clients_params_is_decided_and_documented(
+    params: type, model: type[BaseModel], minimal: dict[str, Any], section: str
+) -> None:
+    """A field a new `openai` or `anthropic` release adds is caught here: it must be accepted by the
+    request model or refused naming the field, and named in the API's section of the docs."""
+    fields = sorted(get_type_hints(params))
+    text = DOCS.read_text().split(section, 1)[1].split("\n## ", 1)[0]
+    named = [f for f in fields if any(f"`{f}{end}" in text for end in "`:.")]
+    assert sorted(set(fields) - set(named)) == []
+    for name in fields:
+        if name in model.model_fields:
+            continue
+        with pytest.raises(ValidationError) as e:
+            model.model_validate({**minimal, name: "x"})
+        assert [err["loc"][0] for err in e.value.errors()] == [name], name
+        assert invalid(e.value).param == name

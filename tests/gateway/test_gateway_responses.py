@@ -199,7 +199,9 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input.0"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content.0.type"),
-    ({"max_tool_calls": 3}, "max_tool_calls"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"context_management": [{"type": "compaction"}]}, "context_management"),
+    ({"background_options": {"completion_window": "2h"}}, "background_options"),
     ({"truncation": "auto"}, "truncation"),
     ({"text": {"format": {"type": "json_schema"}}}, "text.format.name"),
     ({"temperature": 0.5}, "temperature"),  # the session's temperature is the trainer's
@@ -221,7 +223,8 @@ def test_unsupported_fields_are_refused_with_their_param() -> None:
                     assert r.status_code == 400, (extra, r.text)
                     error = r.json()["error"]
                     assert error["param"] == param and error["type"] == "invalid_request_error"
-                r = await http.post(url, json={"model": "policy", "input": "q", "store": False})
+                ignored = {"store": False, "max_tool_calls": 3, "image": {}, "access_programs": {}}
+                r = await http.post(url, json={"model": "policy", "input": "q", **ignored})
                 assert r.status_code == 200 and Response.model_validate(r.json())
             assert len(session.ctx.trajectory().steps) == 1  # recorded by the header's session
 
