@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
-from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
-from rllm_async.backends.local.hf import checkpoint_dir, model_config, read_config
+from rllm_async.backends.base import Tokenizer
+from rllm_async.backends.local.hf import checkpoint_dir, read_config
 from rllm_async.backends.local.learner import Learner
 from rllm_async.backends.local.learner_process import LearnerProcess, LearnerSpec
-from rllm_async.backends.local.lora import LoRAOptions
 from rllm_async.backends.local.model import (
     Transformer,
     build_model,
@@ -25,7 +24,15 @@ from rllm_async.backends.local.model import (
     load_model,
     preset_config,
 )
-from rllm_async.backends.local.sampler import Sampler
+from rllm_async.backends.local.options import (
+    LocalOptions,
+    check_fallback,
+    check_vllm,
+    device_of,
+    dtype_of,
+    model_impl,
+)
+from rllm_async.backends.local.policy import LocalPolicy
 from rllm_async.backends.local.snapshots import WeightStore
 from rllm_async.backends.local.transformers_model import (
     Decoder,
@@ -33,77 +40,16 @@ from rllm_async.backends.local.transformers_model import (
     load_transformers_model,
     max_positions,
 )
-from rllm_async.backends.local.warm_start import WarmStartOptions, warm_start
+from rllm_async.backends.local.warm_start import warm_start
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import Config, ConfigError, LossConfig, validate_options
 from rllm_async.engines.vllm import VLLMPolicy
-from rllm_async.engines.vllm.engine import VLLMEngine, VLLMOptions
+from rllm_async.engines.vllm.engine import VLLMEngine
 from rllm_async.types import TrajectoryGroup
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CHECKPOINT_FILE = "local_backend.pt"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class LocalOptions(BaseModel):
-    """The `backend:` keys of `name: local`."""
-
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    model: Literal["tiny", "small"] = "tiny"  # a built-in preset, initialised from `seed`
-    model_path: str | None = None  # a local Llama/Qwen-family checkpoint directory instead
-    # Which code runs a `model_path` checkpoint: our decoder (`native`), transformers'
-    # AutoModelForCausalLM (`transformers`: any architecture, slower), or `auto`: ours where it
-    # implements the architecture, else transformers.
-    model_impl: Literal["auto", "native", "transformers"] = "auto"
-    device: str = "cpu"  # cpu, cuda, cuda:N, or auto
-    # The sampler's weights and the trainer's autocast; trainer weights stay float32.
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_batch: int = Field(default=32, ge=1)  # sequences decoded together
-    train_batch: int = Field(default=16, ge=1)  # sequences per trainer forward/backward
-    max_seq_len: int = Field(default=256, ge=2)  # prompt + completion
-    # Where training runs: a thread of this process, or a process of its own, which on a CPU
-    # spares it waiting for the interpreter lock that the sampler thread holds.
-    learner: Literal["thread", "process"] = "thread"
-    threads: int = Field(default=1, ge=1)  # torch threads of the learner
-    sampler_threads: int = Field(default=1, ge=1)  # torch threads of the decode thread
-    seed: int | None = None  # model init and unseeded sampling; None: the config's seed
-    warm_start: WarmStartOptions | None = None  # supervised fine-tuning before RL, cached
-    # Train low-rank adapters on the frozen model (after the warm start) instead of the model.
-    lora: LoRAOptions | None = None
-    # Who samples: the sampler thread of this process, or vLLM servers (`vllm:`), which reload
-    # the learner's weights after every step; vllm needs a Hugging Face `model_path`.
-    rollout: Literal["local", "vllm"] = "local"
-    vllm: VLLMOptions = Field(default_factory=VLLMOptions)
-
-
-class LocalPolicy:
-    """The `PolicyClient` of the local backend."""
-
-    def __init__(self, sampler: Sampler, store: WeightStore) -> None:
-        self._sampler = sampler
-        self._store = store
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self._sampler.tokenizer
-
-    @property
-    def max_context_tokens(self) -> int:
-        """Prompt + completion tokens one sequence fits (`backend.max_seq_len`)."""
-        return self._sampler.max_seq_len
-
-    def acquire(self) -> int:
-        return self._store.acquire()
-
-    def release(self, version: int) -> None:
-        self._store.release(version)
-
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, *, version: int | None = None
-    ) -> Completion:
-        return await self._sampler.generate(prompt_ids, params, version)
 
 
 class LocalBackend:
@@ -115,15 +61,15 @@ class LocalBackend:
 
     def __init__(self, config: Config, opts: LocalOptions) -> None:
         self.opts = opts
-        self.device = _device(opts.device)
-        self.dtype = _dtype(opts.dtype, self.device)
+        self.device = device_of(opts.device)
+        self.dtype = dtype_of(opts.dtype, self.device)
         if config.rollout.max_tokens >= opts.max_seq_len:
             raise ConfigError(
                 f"rollout.max_tokens ({config.rollout.max_tokens}) leaves no room for a prompt in "
                 f"backend.max_seq_len ({opts.max_seq_len}): raise max_seq_len or lower max_tokens"
             )
         if opts.rollout == "vllm":
-            _check_vllm(config, opts)
+            check_vllm(config, opts)
         impl, why = model_impl(opts)
         runs = "native decoder" if impl == "native" else "transformers fallback"
         # A warning for the fallback: it samples many times slower, which a run should not hide.
@@ -132,7 +78,7 @@ class LocalBackend:
             level, "local backend: %s runs on the %s: %s", opts.model_path or opts.model, runs, why
         )
         if impl == "transformers":
-            _check_fallback(opts)
+            check_fallback(opts)
         seed = config.seed if opts.seed is None else opts.seed
         model, tokenizer, stop_ids = _build(opts, impl, self.device, seed)
         if opts.warm_start is not None:
@@ -158,8 +104,8 @@ class LocalBackend:
         self.vllm: VLLMEngine | None = None
         self._policy: LocalPolicy | VLLMPolicy
         if opts.rollout == "vllm":
-            assert opts.model_path is not None  # _check_vllm
-            assert isinstance(model, Transformer)  # _check_fallback
+            assert opts.model_path is not None  # check_vllm
+            assert isinstance(model, Transformer)  # check_fallback
             self.vllm = VLLMEngine(
                 opts.vllm,
                 checkpoint=checkpoint_dir(Path(opts.model_path).expanduser()),
@@ -174,18 +120,10 @@ class LocalBackend:
             self._policy = self.vllm.policy
         else:
             self.store = WeightStore(0, inference_copy(model, self.device, self.dtype))
-            self.sampler = Sampler(
-                self.store,
-                tokenizer,
-                stop_ids,
-                max_batch=opts.max_batch,
-                max_seq_len=opts.max_seq_len,
-                device=self.device,
-                dtype=self.dtype,
-                threads=opts.sampler_threads,
-                seed=seed,
+            policy = LocalPolicy.start(
+                self.store, tokenizer, stop_ids, opts, self.device, self.dtype, seed
             )
-            self._policy = LocalPolicy(self.sampler, self.store)
+            self.sampler, self._policy = policy.sampler, policy
         self._train = concurrent.futures.ThreadPoolExecutor(
             1, "rllm-local-train", initializer=torch.set_num_threads, initargs=(opts.threads,)
         )
@@ -193,7 +131,7 @@ class LocalBackend:
         self.learner: Learner | LearnerProcess
         try:
             if opts.learner == "process":
-                assert isinstance(model, Transformer)  # _check_fallback
+                assert isinstance(model, Transformer)  # check_fallback
                 self.learner = LearnerProcess(spec, model)
             else:
                 self.learner = spec.build(model)
@@ -304,7 +242,7 @@ class LocalBackend:
     def _current(self) -> Decoder:
         """A model holding the learner's current weights, LoRA adapters merged."""
         if isinstance(self.learner, LearnerProcess):
-            assert isinstance(self._model, Transformer)  # _check_fallback
+            assert isinstance(self._model, Transformer)  # check_fallback
             self.learner.copy_weights_to(self._model)
             return self._model
         return self.learner.merged_model()
@@ -315,7 +253,7 @@ class LocalBackend:
     def _write_for_vllm(self) -> Path:
         assert self.vllm is not None
         model = self._current()
-        assert isinstance(model, Transformer)  # _check_fallback
+        assert isinstance(model, Transformer)  # check_fallback
         return self.vllm.write(hf_state_dict(model))
 
     def _save(self, path: Path) -> None:
@@ -330,78 +268,6 @@ class LocalBackend:
         state = torch.load(file, map_location=self.device, weights_only=True)
         self.learner.load_state_dict(state)
         return int(state["version"])
-
-
-def _check_vllm(config: Config, opts: LocalOptions) -> None:
-    """Refuse what `rollout: vllm` cannot do, naming what to use instead."""
-    if opts.model_path is None:
-        raise ConfigError(
-            "backend.rollout: vllm serves a Hugging Face checkpoint: set backend.model_path to a "
-            "Qwen/Llama-family checkpoint directory (`python -m rllm_async.models.tiny_qwen DIR` "
-            "builds a tiny one), or use rollout: local"
-        )
-    co = config.coordinator
-    if co.weight_update == "pin" and co.pipeline_depth > 0:
-        raise ConfigError(
-            "backend.rollout: vllm: a vLLM server holds one weight version, so an episode cannot "
-            "stay on the version it started with (coordinator.weight_update: pin) while rollouts "
-            f"overlap training (coordinator.pipeline_depth {co.pipeline_depth}): set "
-            "coordinator.weight_update: latest (every token keeps the version that sampled it), "
-            "or pipeline_depth: 0 (mode: sync)"
-        )
-    if co.weight_update == "pin" and config.train.mini_batches > 1:
-        raise ConfigError(
-            "backend.rollout: vllm: a vLLM server holds one weight version, so an episode cannot "
-            "stay on the version it started with (coordinator.weight_update: pin) while "
-            f"train.mini_batches ({config.train.mini_batches}) steps the optimizer before the "
-            "batch's rollouts end: set coordinator.weight_update: latest, or mini_batches: 1"
-        )
-
-
-def _check_fallback(opts: LocalOptions) -> None:
-    """Refuse what the transformers fallback does not do, naming what to do instead."""
-    refused = {
-        "lora": "backend.lora adapts our decoder's fused layers",
-        "rollout": "backend.rollout: vllm syncs our decoder's weights into vLLM",
-        "learner": "backend.learner: process shares our decoder's weights by their layout",
-    }
-    defaults = LocalOptions()
-    for key, why in refused.items():
-        if getattr(opts, key) != getattr(defaults, key):
-            raise ConfigError(
-                f"{why}; the transformers fallback (model_impl: transformers, or auto for an "
-                f"architecture our decoder does not implement) does not support it: remove "
-                f"backend.{key}, or use the verl backend, which trains transformers' own models"
-            )
-
-
-def model_impl(opts: LocalOptions) -> tuple[Literal["native", "transformers"], str]:
-    """Which code runs the model, our decoder or transformers, and why (for the start-up log)."""
-    if opts.model_path is None:
-        if opts.model_impl == "transformers":
-            raise ConfigError(
-                "backend.model_impl: transformers needs a backend.model_path checkpoint; the "
-                f"built-in preset '{opts.model}' is our decoder: remove model_impl"
-            )
-        return "native", f"built-in preset '{opts.model}'"
-    if "model" in opts.model_fields_set:
-        raise ValueError("give either backend.model (a preset) or backend.model_path, not both")
-    path = checkpoint_dir(Path(opts.model_path).expanduser())
-    raw = read_config(path)
-    kind = raw.get("model_type")
-    if opts.model_impl == "transformers":
-        return "transformers", f"backend.model_impl: transformers ({kind})"
-    try:
-        model_config(raw, path)
-    except ValueError as e:
-        if opts.model_impl == "native":
-            raise ConfigError(
-                f"backend.model_impl: native, but our decoder cannot run it: {e}. Set "
-                "backend.model_impl: auto (or transformers) to run it through transformers' "
-                "AutoModelForCausalLM (slower), or use another checkpoint"
-            ) from e
-        return "transformers", f"our decoder does not implement it ({e})"
-    return "native", f"model_type '{kind}' is one our decoder implements"
 
 
 def _build(
@@ -432,27 +298,3 @@ def _check_max_seq_len(opts: LocalOptions, limit: int) -> None:
             f"backend.max_seq_len ({opts.max_seq_len}) exceeds what {opts.model_path} supports "
             f"({limit}): lower max_seq_len"
         )
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ConfigError(
-            f"backend.device '{name}' is not a device: use cpu, cuda, cuda:N or auto"
-        ) from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("backend.device is cuda but no GPU is visible to torch: use cpu or auto")
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(
-            f"backend.device '{name}' is not supported: use cpu, cuda, cuda:N or auto"
-        )
-    return device
-
-
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "float16" and device.type == "cpu":
-        raise ConfigError("backend.dtype float16 needs a GPU: use float32 or bfloat16 on cpu")
-    return DTYPES[name]

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from rllm_async.backends.local.backend import DTYPES, LocalPolicy
 from rllm_async.backends.local.hf import Checkpoint
 from rllm_async.backends.local.model import load_model
-from rllm_async.backends.local.sampler import Sampler
+from rllm_async.backends.local.options import DTYPES
+from rllm_async.backends.local.policy import LocalPolicy
 from rllm_async.backends.local.snapshots import WeightStore
 from rllm_async.backends.verl.options import VerlOptions
 
@@ -32,18 +32,10 @@ class LocalRollout:
         self.device = torch.device(opts.sampler_device)
         self.dtype = DTYPES[opts.sampler_dtype]
         self.store = WeightStore(0, self._snapshot(ckpt.state))
-        self.sampler = Sampler(
-            self.store,
-            ckpt.tokenizer,
-            ckpt.stop_ids,
-            max_batch=opts.max_batch,
-            max_seq_len=opts.max_seq_len,
-            device=self.device,
-            dtype=self.dtype,
-            threads=opts.sampler_threads,
-            seed=seed,
+        self.policy = LocalPolicy.start(
+            self.store, ckpt.tokenizer, ckpt.stop_ids, opts, self.device, self.dtype, seed
         )
-        self.policy = LocalPolicy(self.sampler, self.store)
+        self.sampler = self.policy.sampler
 
     def pause(self) -> None:
         """Nothing to do: the sampler does not share the training devices' memory with verl."""

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rllm_async.backends.local import LocalBackend
-from rllm_async.backends.local import backend as backend_module
+from rllm_async.backends.local import policy as policy_module
 from rllm_async.backends.local.learner_process import LearnerProcess, LearnerSpec
 from rllm_async.backends.local.model import build_model, preset_config
 from rllm_async.backends.toy_tokenizers import CharTokenizer
@@ -308,7 +308,7 @@ def test_a_backend_that_fails_to_build_leaves_no_learner_process(
     def broken_sampler(*args: object, **kwargs: object) -> None:
         raise RuntimeError("the sampler could not start")
 
-    monkeypatch.setattr(backend_module, "Sampler", broken_sampler)
+    monkeypatch.setattr(policy_module, "Sampler", broken_sampler)
     before = set(multiprocessing.active_children())
     with pytest.raises(RuntimeError, match="could not start"):
         LocalBackend.from_config(make_config({"learner": "process"}))
