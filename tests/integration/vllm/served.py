@@ -24,20 +24,47 @@ def make_server(model: Path, log_dir: Path, index: int, **kwargs: Any) -> VLLMSe
     )
 
 
+class Reference:
+    """A float32 `transformers` forward pass of a checkpoint, loaded once for many completions."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.model.eval()
+
+    def logprobs(
+        self, prompt: list[int], completion: list[int], temperature: float = 1.0
+    ) -> list[float]:
+        """Logprobs of `completion` after `prompt` at `temperature` (the raw logits at 0, as a
+        greedy sampler reports them)."""
+        import torch
+
+        ids = torch.tensor([[*prompt, *completion]])
+        with torch.no_grad():
+            logits = self.model(ids).logits[0, len(prompt) - 1 : -1].float()
+        logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+        return logp.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
+
+
 def hf_logprobs(
     model_dir: Path, prompt: list[int], completion: list[int], temperature: float = 1.0
 ) -> list[float]:
-    """Logprobs of `completion` after `prompt` from a float32 `transformers` forward pass, at
-    `temperature` (the raw logits at 0, as a greedy sampler reports them)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """Logprobs of `completion` after `prompt` from a float32 `transformers` forward pass of
+    `model_dir`, at `temperature` (see `Reference.logprobs`)."""
+    return Reference(model_dir).logprobs(prompt, completion, temperature)
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = torch.tensor([[*prompt, *completion]])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-    return logp.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
+
+def max_gap(a: list[float], b: list[float]) -> float:
+    """The largest difference between two equally long lists of logprobs."""
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+async def metric(url: str, name: str) -> float:
+    """A Prometheus metric of the server at `url`, summed over its labels."""
+    async with httpx.AsyncClient(base_url=url, timeout=10, trust_env=False) as http:
+        return _metric((await http.get("/metrics")).text, name)
 
 
 def _metric(text: str, name: str) -> float:

@@ -6,11 +6,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from served import CONTEXT, hf_logprobs
+from served import CONTEXT, hf_logprobs, metric
 
 from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServer, VLLMServerError
+from rllm_async.rollout import RolloutContext
 
 # Served in float32: the server's logprobs of its own tokens match a float32 `transformers`
 # forward pass to this (measured differences are ~1e-5; bf16 serving is within 0.005-0.02).
@@ -118,3 +119,54 @@ def test_requests_spread_over_servers(servers: list[VLLMServer], tiny_qwen: Path
             return policy.requests_sent()
 
     assert asyncio.run(go()) == {s.url: 8 for s in servers}
+
+
+async def _unpaused() -> None:
+    return None
+
+
+def test_an_episode_deadline_cuts_a_long_completion_and_the_server_drops_it(
+    servers: list[VLLMServer], tiny_qwen: Path
+) -> None:
+    """A rollout whose deadline is 0.5 s away asks for a completion of ~1000 tokens (greedy on
+    this prompt never ends early): TimeoutError at the deadline, nothing left in flight in the
+    client, and the server aborts the request (its connection closed) instead of decoding on:
+    its running requests drop to 0 and its token count stops well short of the completion."""
+    tok = load_tokenizer(tiny_qwen, setting="model")
+    url = servers[0].url
+    params = SamplingParams(temperature=0.0, max_tokens=CONTEXT)
+
+    async def go() -> None:
+        async with VLLMPolicy([url], tok, max_context_tokens=CONTEXT) as policy:
+            prompt = tok.apply_chat_template([{"role": "user", "content": "what is 3 plus 4?"}])
+            # What it decodes without a deadline (this also warms the server up).
+            full = await policy.generate(prompt, params)
+            assert full.finish_reason == "length" and len(full.ids) == CONTEXT - len(prompt)
+            loop = asyncio.get_running_loop()
+            ctx = RolloutContext(
+                policy,
+                sampling=params,
+                pin=False,
+                wait_unpaused=_unpaused,
+                deadline=loop.time() + 0.5,
+                task_id="t",
+            )
+            tokens = await metric(url, "vllm:generation_tokens_total")
+            start = loop.time()
+            with pytest.raises(TimeoutError):
+                async with ctx.timeout():
+                    await ctx.generate(prompt)
+            # Promptly, on a machine whose two cores the servers keep busy (0.5-3 s measured).
+            assert loop.time() - start < 5.0
+            assert policy.in_flight() == {url: 0}
+            # The server stops decoding: its token count settles well short of the completion.
+            async with asyncio.timeout(10):
+                while True:
+                    now = await metric(url, "vllm:generation_tokens_total")
+                    await asyncio.sleep(0.5)
+                    running = await metric(url, "vllm:num_requests_running")
+                    if running == 0 and await metric(url, "vllm:generation_tokens_total") == now:
+                        break
+            assert now - tokens < len(full.ids) - 100, (now - tokens, len(full.ids))
+
+    asyncio.run(go())

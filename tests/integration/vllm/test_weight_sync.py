@@ -9,17 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from served import CONTEXT, hf_logprobs, wait_generating
+from served import CONTEXT, Reference, hf_logprobs, max_gap, wait_generating
 
 from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.config import CoordinatorConfig
 from rllm_async.coordinator import SyncCoordinator
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServer, write_weights
+from rllm_async.engines.vllm.engine import VLLMEngine, VLLMOptions
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import TrajectoryGroup
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+TOLERANCE = 1e-3  # float32 serving against a float32 forward (test_generate.py)
 LONG = SamplingParams(temperature=1.0, max_tokens=900)
 
 
@@ -81,8 +83,11 @@ def test_reloaded_weights_are_served_and_the_old_ones_come_back(
 def test_a_sync_during_requests_labels_every_token_with_its_version(
     policy: VLLMPolicy, weights: dict[str, Path], mode: str
 ) -> None:
-    """Old tokens, then new ones, in every completion. With `keep`, requests running at the
-    pause go on under the new weights, so some completions span both versions. With `abort`,
+    """Old tokens, then new ones, in every completion, each sampled by the weights its version
+    names: in completions that span the sync, the logprobs of the tokens labelled old are the old
+    weights' and those labelled new the new weights' (both at TOLERANCE; the weights differ by
+    far more). With `keep`, requests running at the pause go on under the new weights (their
+    context recomputed), so some completions span both versions. With `abort`,
     vLLM 0.32 returns a cut request with the tokens it had or, in some runs, with none (then it
     starts again from its prompt), and the engine may finish requests before the pause reaches
     it, so spans over both versions are not asserted there."""
@@ -106,6 +111,15 @@ def test_a_sync_during_requests_labels_every_token_with_its_version(
             assert out.finish_reason == "stop" or len(out.ids) == LONG.max_tokens
         resent = sum(policy.requests_sent().values()) - sent - len(running)
         spans = [(out.versions.count(0), out.versions.count(1)) for out in outs]
+        split = [out for out in outs if set(out.versions) == {0, 1}]
+        old_model, new_model = Reference(weights["old"]), Reference(weights["new"])
+        for out in split[:8]:  # a forward pass each: enough to catch a mislabelled span
+            cut = out.versions.index(1)
+            old_lp = old_model.logprobs(prompt, out.ids)
+            new_lp = new_model.logprobs(prompt, out.ids)
+            assert max_gap(out.logprobs[:cut], old_lp[:cut]) < TOLERANCE, (cut, len(out.ids))
+            assert max_gap(out.logprobs[cut:], new_lp[cut:]) < TOLERANCE, (cut, len(out.ids))
+            assert max_gap(old_lp, new_lp) > 100 * TOLERANCE  # the check can tell them apart
         if mode == "keep":
             assert resent == 0
             assert any(old and new for old, new in spans), spans
@@ -190,3 +204,134 @@ def test_staleness_counts_the_tokens_a_sync_left_on_the_old_weights(
 
 async def _no_hook(version: int) -> None:
     return None
+
+
+def test_a_sync_over_two_servers_lands_on_both(
+    servers: list[VLLMServer], tiny_qwen: Path, weights: dict[str, Path]
+) -> None:
+    """One client over both servers: after a sync each of them serves the new weights as the
+    new version (greedy requests spread one per server give the new weights' logprobs)."""
+    tok = load_tokenizer(tiny_qwen, setting="model")
+    urls = [s.url for s in servers]
+    new = Reference(weights["new"])
+
+    async def go() -> None:
+        async with VLLMPolicy(urls, tok, max_context_tokens=CONTEXT) as policy:
+            prompt = prompt_of(policy)
+            try:
+                sync = await policy.update_weights(weights["new"], 1, mode="wait")
+                assert sync.version == policy.version == 1
+                sent = policy.requests_sent()
+                outs = await asyncio.gather(*(policy.generate(prompt, GREEDY) for _ in urls))
+                assert {u: n - sent[u] for u, n in policy.requests_sent().items()} == dict.fromkeys(
+                    urls, 1
+                )
+                for out in outs:
+                    assert out.versions == [1] * len(out.ids)
+                    assert max_gap(out.logprobs, new.logprobs(prompt, out.ids, 0.0)) < TOLERANCE
+            finally:
+                await policy.update_weights(weights["old"], 0, mode="abort")
+
+    asyncio.run(go())
+
+
+def engine_on(
+    url: str, checkpoint: Path, state: dict[str, torch.Tensor], tmp_path: Path
+) -> VLLMEngine:
+    """A `VLLMEngine` on a server it did not start (`vllm.urls`), starting from `state`."""
+    return VLLMEngine(
+        VLLMOptions(urls=[url], weights_dir=str(tmp_path / "shm")),
+        checkpoint=checkpoint,
+        state=state,
+        tokenizer=load_tokenizer(checkpoint, setting="model"),
+        max_seq_len=CONTEXT,
+        run_dir=tmp_path / "run",
+        mode="keep",
+    )
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+
+
+def test_an_engine_on_a_running_server_reloads_its_weights_and_syncs(
+    servers: list[VLLMServer], tiny_qwen: Path, weights: dict[str, Path], tmp_path: Path
+) -> None:
+    """`vllm.urls`: the engine's client is on the given server, the server gets the run's
+    starting weights (not the ones it was started with), a sync lands, and stopping the engine
+    leaves the server running."""
+    server = servers[1]
+    start = perturbed(load_file(str(tiny_qwen / "model.safetensors")), seed=1)
+    engine = engine_on(server.url, tiny_qwen, start, tmp_path)
+    started = engine.write(start)  # the starting weights, as a checkpoint for the reference
+    reference = Reference(started)
+
+    async def go() -> None:
+        policy = engine.policy
+        prompt = prompt_of(policy)
+        try:
+            assert policy.urls == [server.url]
+            first = await policy.generate(prompt, GREEDY)
+            assert first.versions == [0] * len(first.ids)
+            assert max_gap(first.logprobs, reference.logprobs(prompt, first.ids, 0.0)) < TOLERANCE
+            await engine.load(weights["new"], 1)
+            after = await policy.generate(prompt, GREEDY)
+            assert after.versions == [1] * len(after.ids)
+            expected = hf_logprobs(weights["new"], prompt, after.ids, 0.0)
+            assert max_gap(after.logprobs, expected) < TOLERANCE
+        finally:
+            await policy.update_weights(weights["old"], 0, mode="abort")
+            await policy.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        engine.stop()
+    assert server.alive and asyncio.run(server.healthy())
+    assert not any((tmp_path / "shm").iterdir()), "the engine deleted its weight files"
+
+
+def test_a_tied_checkpoint_is_reloaded_with_its_output_layer(
+    servers: list[VLLMServer], tmp_path: Path, weights: dict[str, Path]
+) -> None:
+    """A checkpoint with tied embeddings (one matrix for input and output): the engine writes
+    it untied, so a sync that changes the embeddings changes the served output layer too, and
+    the served logprobs are those of the tied model with the new weights."""
+    from transformers import AutoModelForCausalLM
+
+    from rllm_async.models.tiny_qwen import build_tiny_qwen
+
+    tied = build_tiny_qwen(tmp_path / "tied", tie_word_embeddings=True)
+    state = load_file(str(tied / "model.safetensors"))
+    assert "lm_head.weight" not in state  # written tied: the output layer is the embeddings
+    engine = engine_on(servers[1].url, tied, state, tmp_path)
+    # The trained model, saved tied as transformers saves it: the reference the server must match.
+    model = AutoModelForCausalLM.from_pretrained(str(tied), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for param in model.parameters():  # the tied matrix once
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(str(tmp_path / "trained"))
+    trained = load_file(str(tmp_path / "trained" / "model.safetensors"))
+    reference = Reference(tmp_path / "trained")
+
+    async def go() -> None:
+        policy = engine.policy
+        prompt = prompt_of(policy)
+        try:
+            before = await policy.generate(prompt, GREEDY)
+            await engine.load(engine.write(trained), 1)
+            after = await policy.generate(prompt, GREEDY)
+            assert after.versions == [1] * len(after.ids)
+            assert max_gap(after.logprobs, reference.logprobs(prompt, after.ids, 0.0)) < TOLERANCE
+            assert after.logprobs != before.logprobs
+        finally:
+            await policy.update_weights(weights["old"], 0, mode="abort")
+            await policy.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        engine.stop()
