@@ -1,0 +1,152 @@
+"""The step record on its own: declared reductions, metrics merged from a step's helpers, group
+counts as changes, the closing figures of a step, and its sinks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rllm_async.buffer import Dispatch, ReadyGroup
+from rllm_async.metrics import MetricsAggregator
+from rllm_async.step_record import (
+    FORWARD_BACKWARD,
+    GROUP_COUNTS,
+    OPTIM_STEP,
+    StepMetrics,
+    StepRecord,
+    sinks,
+    solved_metrics,
+)
+from rllm_async.types import Episode, Step, Trajectory
+from tests.fakes import make_config
+
+COUNTS = {**dict.fromkeys(GROUP_COUNTS, 0), "in_flight": 0, "buffered": 0, "version": 0}
+
+
+def _episode(reward: float, tokens: int = 3, correct: bool | None = None) -> Episode:
+    step = Step([1], [7] * tokens, [0.0] * tokens, [0] * tokens)
+    return Episode("t", [Trajectory([step], reward)], reward, is_correct=correct)
+
+
+def _ready(*episodes: Episode) -> ReadyGroup:
+    return ReadyGroup(Dispatch(0, {"id": "t"}, "t", 0), [], list(episodes), 0)
+
+
+def _record(records: list[dict[str, float]] | None = None, now: float = 0.0) -> StepRecord:
+    return StepRecord(MetricsAggregator(), [] if records is None else records, dict(COUNTS), now)
+
+
+def test_step_metrics_keep_the_declared_reductions_and_reduce_a_backends_own_as_asked() -> None:
+    metrics = StepMetrics()
+    metrics.add({"loss": 2.0, "time/forward_backward_s": 1.5}, FORWARD_BACKWARD)
+    metrics.add({"loss": 4.0, "time/forward_backward_s": 0.5}, FORWARD_BACKWARD)
+    metrics.add({"lr": 0.1}, OPTIM_STEP)
+    metrics.add({"lr": 0.2}, OPTIM_STEP)
+    record = _record()
+    record.add_step(metrics)
+    out = record.flush(1)
+    assert out["loss"] == 3.0, "a backend's forward-backward metrics: their mean"
+    assert out["time/forward_backward_s"] == 2.0, "declared a sum, whatever the backend's is"
+    assert out["lr"] == 0.2, "an optimizer step's: the last"
+
+
+def test_a_metric_neither_declared_nor_given_a_reduction_is_refused() -> None:
+    with pytest.raises(KeyError):
+        StepMetrics().add({"undeclared/metric": 1.0})
+
+
+def test_merged_metrics_reduce_as_if_each_value_were_added_as_it_happened() -> None:
+    """Episodes of groups of different sizes: the mean over episodes, not over groups."""
+    first, second = StepMetrics(), StepMetrics()
+    first.add_consumed(_ready(_episode(1.0, correct=True)), staleness=0)
+    second.add_consumed(
+        _ready(_episode(0.0, correct=False), _episode(0.0), _episode(0.5, correct=False)),
+        staleness=3,
+    )
+    first.extend(second)
+    record = _record()
+    record.add_step(first)
+    out = record.flush(1)
+    assert out["reward/mean"] == pytest.approx(1.5 / 4)
+    assert out["episode/correct"] == pytest.approx(1 / 3), "only the judged episodes"
+    assert out["staleness/mean"] == 1.5 and out["staleness/max"] == 3
+
+
+def test_group_counts_are_the_changes_since_the_last_record() -> None:
+    record = _record()
+    assert not record.group_counts(dict(COUNTS)), "nothing ended"
+    assert record.flush(0)["groups/consumed"] == 0
+    assert record.group_counts({**COUNTS, "consumed": 3, "filtered": 1})
+    assert record.group_counts({**COUNTS, "consumed": 5, "filtered": 1})
+    out = record.flush(1)
+    assert out["groups/consumed"] == 5 and out["groups/filtered"] == 1
+    assert record.group_counts({**COUNTS, "consumed": 6, "filtered": 1})
+    assert record.flush(2)["groups/consumed"] == 1
+
+
+def test_step_metrics_are_rates_over_the_step_and_the_elapsed_time_of_the_fit() -> None:
+    record = _record(now=10.0)
+    assert record.add_episode(_episode(1.0, tokens=4), {}) == 4
+    record.add_generation({"tokens/generated": 2})
+    record.add({"async/trainer_idle_s": 1.0})
+    counts = {**COUNTS, "in_flight": 7, "buffered": 2, "version": 3}
+    out = record.step_metrics(counts, now=14.0, generation_idle_s=2.0)
+    assert out["time/step_s"] == 4.0 and out["time/elapsed_s"] == 4.0
+    assert out["episodes/per_s"] == 0.25 and out["tokens/per_s"] == 1.5
+    assert out["async/trainer_idle_ratio"] == 0.25
+    assert out["async/generation_idle_ratio"] == 0.5
+    assert (out["groups/in_flight"], out["groups/buffered"], out["policy_version"]) == (7, 2, 3)
+    record.next_step(14.0)
+    out = record.step_metrics(counts, now=16.0, generation_idle_s=0.0)
+    assert out["episodes/per_s"] == 0.0 and out["tokens/per_s"] == 0.0, "counted per step"
+    assert out["time/step_s"] == 2.0 and out["time/elapsed_s"] == 6.0
+
+
+def test_an_episodes_own_metrics_reduce_as_its_workflow_declares() -> None:
+    record = _record()
+    record.add_episode(
+        Episode("t", [], 1.0, metrics={"turns": 2.0, "calls": 1.0}), {"calls": "sum"}
+    )
+    record.add_episode(
+        Episode("t", [], 0.0, metrics={"turns": 4.0, "calls": 2.0}), {"calls": "sum"}
+    )
+    out = record.flush(1)
+    assert out["episode/turns"] == 3.0 and out["episode/calls"] == 3.0
+    assert out["rollout/reward/mean"] == 0.5
+
+
+def test_every_flush_is_kept_and_an_extra_record_carries_the_elapsed_time() -> None:
+    records: list[dict[str, float]] = []
+    record = _record(records, now=1.0)
+    record.add({"tokens/wasted": 5})
+    assert record.flush(2) == {"step": 2, "tokens/wasted": 5}
+    record.add({"tokens/wasted": 1})
+    record.flush_extra(2, now=4.0)
+    assert records == [
+        {"step": 2, "tokens/wasted": 5},
+        {"step": 2, "time/elapsed_s": 3.0, "tokens/wasted": 1},
+    ]
+
+
+def test_solved_metrics_only_once_every_rollout_is_judged() -> None:
+    dispatch = Dispatch(0, {"id": "t"}, "t", 0, judged=3, correct=3)
+    assert solved_metrics(dispatch, group_size=4) == {}
+    dispatch.judged = 4
+    assert solved_metrics(dispatch, 4) == {"groups/solve_none": 0.0, "groups/solve_all": 0.0}
+    dispatch.correct = 4
+    assert solved_metrics(dispatch, 4)["groups/solve_all"] == 1.0
+    dispatch.correct = 0
+    assert solved_metrics(dispatch, 4)["groups/solve_none"] == 1.0
+
+
+def test_the_record_of_a_config_writes_the_sinks_its_logging_asks(tmp_path: Path) -> None:
+    config = make_config(tmp_path, logging={"progress_bar": False, "jsonl": True})
+    assert [type(s).__name__ for s in sinks(config, 0)] == ["JsonlSink"]
+    record = StepRecord.from_config(config, [], dict(COUNTS), now=0.0, initial_step=0)
+    record.add({"tokens/wasted": 2})
+    record.flush(1)
+    record.close()
+    lines = (config.run_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [{"step": 1, "tokens/wasted": 2}]
