@@ -29,9 +29,12 @@ from anthropic.types.raw_message_delta_event import Delta
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from rllm_async.gateway.api import API, name_reply
+from rllm_async.gateway.api import API, forced_prefix, name_reply
 from rllm_async.gateway.conversation import ChatMessages, reply_calls
+from rllm_async.gateway.errors import APIError
 from rllm_async.gateway.protocol_anthropic import (
+    CountTokensRequest,
+    MessagesPrompt,
     MessagesRequest,
     TextBlockParam,
     ThinkingBlockParam,
@@ -40,6 +43,7 @@ from rllm_async.gateway.protocol_anthropic import (
 )
 from rllm_async.gateway.sse import typed_stream
 from rllm_async.rollout import ChatTurn
+from rllm_async.rollout.chat import render, template_messages
 
 
 async def messages(api: API, request: Request) -> Response:
@@ -69,7 +73,27 @@ async def messages(api: API, request: Request) -> Response:
     return JSONResponse(body.model_dump(mode="json", exclude_unset=True))
 
 
-def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
+async def count_tokens(api: API, request: Request) -> Response:
+    """`POST /v1/messages/count_tokens`: the tokens of the prompt a `messages` call would render
+    (the chat template's, a forced call's opening included); nothing is sampled or recorded."""
+    session = api.session(request)
+    req = await api.body(request, CountTokensRequest)
+    api.check_model(req.model)
+    tok = api.gw.policy.tokenizer
+    try:
+        ids = render(tok, template_messages(chat_messages(req)), req.tool_schemas)
+    except Exception as e:  # templates raise anything, jinja2 errors included
+        raise APIError(
+            400,
+            f"messages: the chat template refused the messages: {e}",
+            param="messages",
+            code="invalid_messages",
+        ) from None
+    prefix = forced_prefix(api.context(session), req.forced_tool)
+    return JSONResponse({"input_tokens": len(ids) + len(tok.encode(prefix))})
+
+
+def chat_messages(req: MessagesPrompt) -> list[dict[str, Any]]:
     """`system` and `messages` as chat messages: an assistant message's text, then its `tool_use`
     blocks as tool calls (one assistant turn, as the chat path recorded the reply); a user
     message's `tool_result` blocks as tool messages, then its text as a user message; an assistant

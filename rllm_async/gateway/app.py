@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rllm_async.gateway.anthropic import messages
+from rllm_async.gateway.anthropic import count_tokens, messages
 from rllm_async.gateway.api import API, GatewayState
 from rllm_async.gateway.chat_completions import chat_completions
 from rllm_async.gateway.completions import completions
@@ -32,6 +32,11 @@ def build_app(gateway: GatewayState) -> Starlette:
         ("/v1/completions", api.endpoint(completions), ["POST"]),
         ("/v1/responses", api.endpoint(responses), ["POST"]),
         ("/v1/messages", api.endpoint(messages, errors=anthropic_error_response), ["POST"]),
+        (
+            "/v1/messages/count_tokens",
+            api.endpoint(count_tokens, errors=anthropic_error_response),
+            ["POST"],
+        ),
     ]
     routes = [
         Route("/health", api.endpoint(_health, auth=False), methods=["GET"]),

@@ -13,7 +13,7 @@ from rllm_async.gateway.protocol import (
     OpenSessionRequest,
     RewardRequest,
 )
-from rllm_async.gateway.protocol_anthropic import MessagesRequest
+from rllm_async.gateway.protocol_anthropic import CountTokensRequest, MessagesRequest
 from rllm_async.gateway.protocol_responses import ResponseRequest
 
 _REF = "#/components/schemas/{model}"
@@ -77,7 +77,13 @@ _SESSION = {"name": "sid", "in": "path", "required": True, "schema": {"type": "s
 def openapi_document() -> dict[str, Any]:
     """Paths, request schemas and the error schema of every route."""
     schemas: dict[str, Any] = {"Error": _ERROR_SCHEMA, "AnthropicError": _ANTHROPIC_ERROR_SCHEMA}
-    models = (ChatCompletionRequest, CompletionRequest, ResponseRequest, MessagesRequest)
+    models = (
+        ChatCompletionRequest,
+        CompletionRequest,
+        ResponseRequest,
+        MessagesRequest,
+        CountTokensRequest,
+    )
     for model in (*models, OpenSessionRequest, RewardRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
@@ -90,6 +96,13 @@ def openapi_document() -> dict[str, Any]:
         "/v1/messages": {
             "post": _operation(
                 "a message (Anthropic Messages API)", MessagesRequest, _ANTHROPIC_ERROR
+            )
+        },
+        "/v1/messages/count_tokens": {
+            "post": _operation(
+                "a prompt's token count (Anthropic Messages API)",
+                CountTokensRequest,
+                _ANTHROPIC_ERROR,
             )
         },
     }

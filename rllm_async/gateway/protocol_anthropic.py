@@ -113,40 +113,24 @@ class ThinkingConfig(StrictModel):
     budget_tokens: int | None = Field(default=None, ge=1)
 
 
-class MessagesRequest(StrictModel):
-    """`POST /v1/messages`: the whole conversation in `messages`, client tools only."""
+class MessagesPrompt(StrictModel):
+    """What a prompt is made of: the fields `POST /v1/messages` shares with `count_tokens`."""
 
     model: str
     messages: list[MessageParam] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
     system: str | list[TextBlockParam] | None = None
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
-    stop_sequences: list[str] | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = None
-    stream: bool = False
     thinking: ThinkingConfig | None = None
-    # Accepted and ignored: hints for Anthropic's caching, abuse detection, capacity, region,
-    # speed, billing and cache diagnostics; none changes what the policy samples.
-    metadata: dict[str, Any] | None = None
-    service_tier: str | None = None
+    # Accepted and ignored: hints for Anthropic's caching, speed and attribution; none changes
+    # what the policy samples.
     cache_control: dict[str, Any] | None = None
     speed: Literal["standard", "fast"] | None = None
-    inference_geo: str | None = None
-    diagnostics: dict[str, Any] | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
 
     @model_validator(mode="after")
-    def _supported(self) -> MessagesRequest:
-        stops = self.stop_sequences or []
-        if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
-            raise FieldError("stop_sequences", f"at most {MAX_STOP_SEQUENCES} non-empty strings")
-        if self.top_k is not None:
-            # The policy's sampler cannot apply it, and the trainer's logprobs assume it did not.
-            raise FieldError("top_k", "is not supported: the policy samples without a top-k cut")
+    def _tool_choice(self) -> MessagesPrompt:
         choice = self.tool_choice
         if choice is None or choice.type in ("auto", "none"):
             return self
@@ -175,6 +159,37 @@ class MessagesRequest(StrictModel):
         if choice is None:
             return False
         return choice.name if choice.name is not None else choice.type == "any"
+
+
+class CountTokensRequest(MessagesPrompt):
+    """`POST /v1/messages/count_tokens`: the prompt a `messages` call would render."""
+
+
+class MessagesRequest(MessagesPrompt):
+    """`POST /v1/messages`: the whole conversation in `messages`, client tools only."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    stream: bool = False
+    # Accepted and ignored: hints for Anthropic's abuse detection, capacity, region and cache
+    # diagnostics; none changes what the policy samples.
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    inference_geo: str | None = None
+    diagnostics: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> MessagesRequest:
+        stops = self.stop_sequences or []
+        if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
+            raise FieldError("stop_sequences", f"at most {MAX_STOP_SEQUENCES} non-empty strings")
+        if self.top_k is not None:
+            # The policy's sampler cannot apply it, and the trainer's logprobs assume it did not.
+            raise FieldError("top_k", "is not supported: the policy samples without a top-k cut")
+        return self
 
     @property
     def parallel_tool_use(self) -> bool:

@@ -16,6 +16,7 @@ from pydantic import TypeAdapter
 from rllm_async.backends.base import SamplingParams
 from rllm_async.rollout import RolloutContext
 from rllm_async.rollout.reply_parser import reply_parser
+from rllm_async.rollout.tool_parsers import HermesParser
 from tests.gateway.test_gateway import KEY, serving
 from tests.gateway.test_gateway_frameworks import FINAL, RESULT, reply
 from tests.scripted import ScriptedPolicy, context
@@ -283,5 +284,35 @@ def test_refusals_come_in_the_anthropic_error_shape() -> None:
                     model="policy", max_tokens=8, messages=[{"role": "user", "content": "x" * 99}]
                 )
             assert e.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+
+    asyncio.run(go())
+
+
+def test_count_tokens_counts_the_prompt_a_message_call_renders() -> None:
+    policy = ScriptedPolicy(lambda p: "42")
+
+    async def go() -> None:
+        async with serving(policy) as gateway:
+            session = gateway.session(context(policy))
+            client = anthropic.AsyncAnthropic(base_url=gateway.url, api_key=session.key)
+            chat: Any = [{"role": "user", "content": "6*7?"}]
+            prompt: Any = {"messages": chat, "system": "Be brief.", "tools": [CALC]}
+            counted = await client.messages.count_tokens(model="policy", **prompt)
+            forced = await client.messages.count_tokens(
+                model="policy", **prompt, tool_choice={"type": "tool", "name": "calc"}
+            )
+            plain = await client.messages.count_tokens(model="policy", messages=chat)
+            await client.messages.create(model="policy", max_tokens=8, **prompt)
+            [step] = session.ctx.trajectory().steps  # counting samples and records nothing
+            assert counted.input_tokens == len(step.prompt_ids)
+            opening = HermesParser().forced_prefix("calc")
+            assert forced.input_tokens == counted.input_tokens + len(opening)
+            assert 0 < plain.input_tokens < counted.input_tokens
+            with pytest.raises(anthropic.NotFoundError):
+                await client.messages.count_tokens(model="claude", messages=chat)
+            with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+                await client.messages.count_tokens(
+                    model="policy", messages=chat, extra_body={"max_tokens": 8}
+                )
 
     asyncio.run(go())

@@ -11,6 +11,7 @@ from typing import Any, get_type_hints
 import anthropic
 import httpx
 import pytest
+from anthropic.types.message_count_tokens_params import MessageCountTokensParams
 from anthropic.types.message_create_params import MessageCreateParamsBase
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.chat.completion_create_params import CompletionCreateParamsBase
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.gateway.errors import invalid
 from rllm_async.gateway.protocol import ChatCompletionRequest
-from rllm_async.gateway.protocol_anthropic import MessagesRequest
+from rllm_async.gateway.protocol_anthropic import CountTokensRequest, MessagesRequest
 from rllm_async.gateway.protocol_responses import ResponseRequest
 from rllm_async.rollout.tool_parsers import HermesParser
 from tests.gateway.test_gateway import CALC, KEY, serving
@@ -342,6 +343,12 @@ API_FIELDS = [
         MessageCreateParamsBase,
         MessagesRequest,
         {"model": "policy", "max_tokens": 8, "messages": [{"role": "user", "content": "q"}]},
+        "## The Anthropic Messages API",
+    ),
+    (
+        MessageCountTokensParams,
+        CountTokensRequest,
+        {"model": "policy", "messages": [{"role": "user", "content": "q"}]},
         "## The Anthropic Messages API",
     ),
 ]
