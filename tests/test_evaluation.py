@@ -29,7 +29,7 @@ class Judged(Workflow):
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
         await ctx.generate([1, 2, 3])
         correct = task["id"] in self.right
-        return Episode(task["id"], ctx.trajectories, float(correct), correct, metrics={"calls": 1})
+        return Episode(task["id"], [], float(correct), correct, metrics={"calls": 1})
 
 
 class Heard(Callback):
