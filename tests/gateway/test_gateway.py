@@ -20,6 +20,7 @@ from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local import LocalBackend
 from rllm_async.config import config_from_dict
 from rllm_async.gateway import Gateway
+from tests.gateway.validation import Validating, check
 from tests.scripted import RecordingPolicy, ScriptedPolicy, context
 
 openai = pytest.importorskip("openai")
@@ -48,13 +49,17 @@ def local_backend(max_seq_len: int = 96) -> LocalBackend:
 
 @asynccontextmanager
 async def serving(policy: Any, **options: Any) -> AsyncIterator[Gateway]:
+    """A gateway on 127.0.0.1 whose every 200 answer (body, or each event of a stream) must
+    validate as the `openai` / `anthropic` packages' type for its route, or the test fails."""
     options = {"sampling": SamplingParams(max_tokens=128), "api_key": KEY, **options}
     gateway = Gateway(policy, open_sessions=True, **options)
+    gateway.app = validating = Validating(gateway.app)  # type: ignore[assignment]
     await gateway.start()
     try:
         yield gateway
     finally:
         await gateway.stop()
+    check(validating)
 
 
 async def open_session(gateway: Gateway) -> tuple[str, str]:
@@ -480,3 +485,39 @@ def test_an_ended_sessions_key_is_refused_on_a_gateway_without_a_key() -> None:
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+def test_the_validating_wrapper_catches_invalid_answers() -> None:
+    """`serving` validates every answer; an invalid body or stream event is reported."""
+    answers = {
+        "/v1/chat/completions": (b'{"id": "x", "object": "chat.completion"}', "application/json"),
+        "/sessions/s/v1/messages": (
+            b'event: message_stop\ndata: {"type": "message_stop"}\n\n'
+            b'event: ping\ndata: {"type": "nope"}\n\n',
+            "text/event-stream",
+        ),
+        "/v1/models": (b'{"object": "list", "data": []}', "application/json"),
+    }
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        body, kind = answers[scope["path"]]
+        headers = [(b"content-type", kind.encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    validating = Validating(app)
+
+    async def go() -> None:
+        transport = httpx.ASGITransport(app=validating)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            for path in answers:
+                await http.post(path)
+
+    asyncio.run(go())
+    assert validating.checked == 4
+    assert [f.split(":")[0] for f in validating.failures] == [
+        "/v1/chat/completions",
+        "/sessions/s/v1/messages",
+    ]
+    with pytest.raises(AssertionError, match="invalid answers"):
+        check(validating)
