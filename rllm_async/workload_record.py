@@ -12,11 +12,15 @@ pauses the engine, a fraction while training shares the engine's processors.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rllm_async.types import Episode
 
@@ -24,6 +28,8 @@ FILE_NAME = "workload.jsonl"
 CAP = 2048
 OFFSETS = (0.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
 PHASES = ("train", "sync")  # what the learner may be doing beside generation
+_OFFSETS = np.array(OFFSETS)
+_BATCH = 4096  # pending starts and ends integrated at once
 
 
 @dataclass(slots=True)
@@ -58,12 +64,16 @@ class StepRow:
 
 @dataclass(slots=True)
 class _Kept:
-    """A started rollout the reservoir keeps: its slot, start time and the counters then."""
+    """A started rollout the reservoir keeps: its slot, start time and the counters then (set
+    when its start is integrated)."""
 
     slot: int
     start: float
-    area: float
-    inv: list[list[float]]  # the recorder's integrals at the start: in all, then per phase
+    area: float = 0.0
+    inv: np.ndarray | None = None  # the recorder's integrals at the start: in all, then per phase
+
+    def opened(self, area: float, inv: np.ndarray) -> None:
+        self.area, self.inv = area, inv
 
 
 @dataclass(slots=True)
@@ -80,7 +90,7 @@ class WorkloadRecorder:
     """Collects a run's workload; `write` puts it in the run directory.
 
     Which rollouts are kept is decided when they start (a reservoir sample of the started ones);
-    every start and end advances the running integrals, a few float operations.
+    every start and end is logged, and the running integrals advance over the log in batches.
     """
 
     def __init__(
@@ -96,70 +106,106 @@ class WorkloadRecorder:
         self._active = 0
         self._area = 0.0  # integral of the active count over time
         # Integrals of dt / (active + c), c in OFFSETS: over all time, then over each phase.
-        self._inv = [[0.0] * len(OFFSETS) for _ in range(1 + len(PHASES))]
+        self._inv = np.zeros((1 + len(PHASES), len(OFFSETS)))
         self._phase = 0  # 0: none, else 1 + the index in PHASES
         self._t_last = start
+        # Starts and ends not yet integrated: when, and how many rollouts were active until then.
+        # Integrating them in a batch keeps a rollout's cost to two appends (16k rollouts in flight
+        # end thousands of times a second); the integrals are brought up to date when read.
+        self._times: list[float] = []
+        self._counts: list[int] = []
+        self._marks: list[tuple[int, Callable[[float, np.ndarray], None]]] = []
         self._tokens = 0
         self._train_s = 0.0
 
-    def _advance(self, now: float) -> None:
-        dt = now - self._t_last
-        if dt > 0 and self._active:
-            self._area += self._active * dt
-            n = self._active
-            step = [dt / (n + c) for c in OFFSETS]
-            for k in (0, self._phase) if self._phase else (0,):
-                self._inv[k] = [j + d for j, d in zip(self._inv[k], step, strict=True)]
-        self._t_last = now
+    def _event(self, now: float, then: Callable[[float, np.ndarray], None] | None = None) -> None:
+        """Log a start or end at `now`; `then` gets the integrals there once they are known."""
+        if then is not None:
+            self._marks.append((len(self._times), then))
+        self._times.append(now)
+        self._counts.append(self._active)
+        if len(self._times) >= _BATCH:
+            self._integrate()
+
+    def _integrate(self) -> None:
+        """Fold the logged events into the running integrals, handing each mark its values."""
+        if not self._times:
+            return
+        t = np.array(self._times)
+        n = np.array(self._counts, dtype=float)[:, None]
+        dt = np.maximum(np.diff(t, prepend=self._t_last), 0.0)[:, None]
+        area = self._area + np.cumsum(n * dt)
+        rates = np.divide(dt, n + _OFFSETS, out=np.zeros((len(t), len(OFFSETS))), where=n > 0)
+        inv = np.cumsum(rates, axis=0)
+        for i, then in self._marks:
+            then(float(area[i]), self._with(inv[i]))
+        self._area, self._inv = float(area[-1]), self._with(inv[-1])
+        self._t_last = max(self._t_last, self._times[-1])
+        self._times.clear()
+        self._counts.clear()
+        self._marks.clear()
+
+    def _with(self, step: np.ndarray) -> np.ndarray:
+        """The integrals with `step` more of this phase."""
+        out = self._inv.copy()
+        out[0] += step
+        if self._phase:
+            out[self._phase] += step
+        return out
 
     def phase(self, now: float, name: str | None) -> None:
         """From `now` the learner is doing `name` (one of `PHASES`), or nothing (None)."""
-        self._advance(now)
+        self._event(now)
+        self._integrate()
         self._phase = 0 if name is None else 1 + PHASES.index(name)
 
     def started(self, now: float) -> _Kept | None:
         """A rollout started; the token to hand to `finished` (None when it is not kept)."""
-        self._advance(now)
-        self._active += 1
         self._started += 1
         slot = self._started - 1
         if slot >= self.cap:
             slot = self._rng.randrange(self._started)
-            if slot >= self.cap:
-                return None
-        return _Kept(slot, now, self._area, list(self._inv))
+        token = _Kept(slot, now) if slot < self.cap else None
+        self._event(now, None if token is None else token.opened)
+        self._active += 1
+        return token
 
     def finished(self, now: float, token: _Kept | None, episode: Episode | None) -> None:
         """A rollout ended; recorded when it was kept and produced an episode."""
-        self._advance(now)
-        self._active -= 1
         if episode is not None:
             self._finished += 1
         if token is None or episode is None:
-            return
+            self._event(now)
+        else:
+            self._event(now, functools.partial(self._record, token, episode, now, self._active))
+        self._active -= 1
+
+    def _record(
+        self, token: _Kept, episode: Episode, end: float, active: int, area: float, inv: np.ndarray
+    ) -> None:
+        """Keep the row of a rollout that ended at `end` with `active` rollouts running."""
+        assert token.inv is not None  # its start came first
         steps = [s for t in episode.trajectories for s in t.steps]
         tool_s = episode.metrics.get("time/tool_s")
-        elapsed = now - token.start
-        inv = [
-            [b - a for a, b in zip(old, new, strict=True)]
-            for old, new in zip(token.inv, self._inv, strict=True)
-        ]
+        elapsed = end - token.start
+        diff = (inv - token.inv).tolist()
         self._rows[token.slot] = RolloutRow(
             start=token.start,
-            end=now,
+            end=end,
             prompt=len(steps[0].prompt_ids) if steps else 0,
             completion=episode.num_completion_tokens,
             turns=len(steps),
-            active=(self._area - token.area) / elapsed if elapsed > 0 else float(self._active + 1),
-            inv=inv[0],
+            active=(area - token.area) / elapsed if elapsed > 0 else float(active),
+            inv=diff[0],
             tool_s=None if tool_s is None else float(tool_s),
-            inv_train=inv[1],
-            inv_sync=inv[2],
+            inv_train=diff[1],
+            inv_sync=diff[2],
         )
 
     @property
     def workload(self) -> Workload:
         """What was recorded so far."""
+        self._integrate()
         return Workload(self.meta, list(self._rows.values()), list(self._steps), self._finished)
 
     def trained(self, tokens: int, seconds: float) -> None:
