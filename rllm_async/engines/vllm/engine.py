@@ -124,7 +124,8 @@ class VLLMEngine:
         try:
             return (await self.policy.update_weights(path, version, mode=self.mode)).seconds
         except VLLMServerError as e:
-            dead = [s for s in self._servers if not s.alive]
+            # A dead engine core leaves its API server up for a few seconds, answering errors.
+            dead = [s for s in self._servers if not s.alive or not await s.healthy()]
             if not dead:
                 raise
             raise VLLMServerError(
