@@ -66,7 +66,13 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 async def _health(api: API, request: Request) -> Response:
-    return JSONResponse({"status": "ok", "model": api.gw.model, "sessions": len(api.gw.sessions)})
+    body = {
+        "status": "ok",
+        "model": api.gw.model,
+        "sessions": len(api.gw.sessions),
+        "paused": await api.gw.paused(),
+    }
+    return JSONResponse(body)
 
 
 async def _openapi(api: API, request: Request) -> Response:

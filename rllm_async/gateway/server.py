@@ -127,6 +127,16 @@ class Gateway:
     async def _wait_out_pause(self) -> None:
         await self._wait_unpaused()
 
+    async def paused(self) -> bool:
+        """Whether calls outside a trainer's rollouts wait out a weight sync now (`/health`)."""
+        waiting = self._wait_unpaused()
+        if isinstance(waiting, asyncio.Future):  # the coordinator's own: never cancel it
+            return not waiting.done()
+        task = asyncio.ensure_future(waiting)
+        await asyncio.sleep(0)  # one step: a wait that is over ends in it
+        task.cancel()
+        return not task.done()
+
     def open_session(self, ttl_s: float | None = None, task: str | None = None) -> Session:
         """A standalone session with its own context, closed after `ttl_s` (default the TTL);
         `task` is the group key of its episode for online training."""

@@ -3,8 +3,8 @@
 `start(policy)` starts a `Gateway` on 127.0.0.1 in the trainer's event loop, ready before
 the first rollout; `run` opens one session per rollout and calls `agent(base_url, api_key, task)` with the
 gateway's `/v1` base URL and the session's own API key, which names the session: every rollout
-has the same base URL, so agents share one HTTP client (`openai_client`) instead of paying for a
-new one (its SSL set-up) per rollout. The gateway records every call server-side as a Step of the
+has the same base URL, so agents share one HTTP client (`openai_client`, or `anthropic_client` for
+the Anthropic Messages API) instead of paying for a new one (its SSL set-up) per rollout. The gateway records every call server-side as a Step of the
 rollout, so the trajectory is rebuilt from its records: the agent never reports tokens. The
 session is closed (its in-flight calls cancelled, its records freed) before the episode goes to
 the buffer.
@@ -24,6 +24,8 @@ from rllm_async.workflows.base import Workflow
 from rllm_async.workflows.callables import load, score
 
 if TYPE_CHECKING:
+    from anthropic import AsyncAnthropic
+    from anthropic import DefaultAsyncHttpxClient as AnthropicHttpxClient
     from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
     from rllm_async.gateway import Gateway
@@ -31,6 +33,10 @@ if TYPE_CHECKING:
 AgentFn = Callable[[str, str, dict[str, Any]], Awaitable[Any]]
 _HTTP: contextvars.ContextVar[DefaultAsyncHttpxClient | None] = contextvars.ContextVar(
     "rllm_async_http", default=None
+)
+# The `anthropic` package has an HTTP client of its own kind (`httpx2`): a second shared one.
+_ANTHROPIC_HTTP: contextvars.ContextVar[AnthropicHttpxClient | None] = contextvars.ContextVar(
+    "rllm_async_anthropic_http", default=None
 )
 
 
@@ -42,6 +48,17 @@ def openai_client(base_url: str, api_key: str, **options: Any) -> AsyncOpenAI:
     from openai import AsyncOpenAI
 
     return AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=_HTTP.get(), **options)
+
+
+def anthropic_client(base_url: str, api_key: str, **options: Any) -> AsyncAnthropic:
+    """An `anthropic.AsyncAnthropic` for one rollout on the workflow's shared HTTP client, as
+    `openai_client`; `base_url` is the agent's (`.../v1`): the client adds `/v1/messages` to the
+    gateway's root itself. Do not close it. Outside a rollout it gets an HTTP client of its own."""
+    from anthropic import AsyncAnthropic
+
+    root = base_url.rstrip("/").removesuffix("/v1")
+    http = _ANTHROPIC_HTTP.get()
+    return AsyncAnthropic(base_url=root, api_key=api_key, http_client=http, **options)
 
 
 class OpenAIAgentWorkflow(Workflow):
@@ -73,6 +90,7 @@ class OpenAIAgentWorkflow(Workflow):
         self.max_calls_per_session = max_calls_per_session
         self.gateway: Gateway | None = None
         self.http: DefaultAsyncHttpxClient | None = None  # every rollout's agent shares it
+        self.anthropic_http: AnthropicHttpxClient | None = None  # the same, for `anthropic`
 
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
         gateway = self.gateway
@@ -83,9 +101,11 @@ class OpenAIAgentWorkflow(Workflow):
             )
         session = gateway.session(ctx)
         token = _HTTP.set(self.http)
+        anthropic_token = _ANTHROPIC_HTTP.set(self.anthropic_http)
         try:
             result = await self.agent(f"{gateway.url}/v1", session.key, task)
         finally:
+            _ANTHROPIC_HTTP.reset(anthropic_token)
             _HTTP.reset(token)
             gateway.sessions.close(session.id)
         if self.reward_fn is not None:
@@ -115,22 +135,34 @@ class OpenAIAgentWorkflow(Workflow):
         )
         await gateway.start(self.host, self.port)
         self.gateway, self.http = gateway, _http_client()
+        self.anthropic_http = _anthropic_http_client()
 
     async def close(self) -> None:
         """Stop the gateway and close the shared HTTP client (the trainer calls this at the end)."""
         try:
             if self.http is not None:
                 await self.http.aclose()
+            if self.anthropic_http is not None:
+                await self.anthropic_http.aclose()
         finally:
             if self.gateway is not None:
                 await self.gateway.stop()
-            self.gateway, self.http = None, None
+            self.gateway, self.http, self.anthropic_http = None, None, None
 
 
 def _http_client() -> DefaultAsyncHttpxClient | None:
     """The `openai` package's HTTP client (its httpx flavour, limits and timeouts), when installed."""
     try:
         from openai import DefaultAsyncHttpxClient
+    except ImportError:
+        return None
+    return DefaultAsyncHttpxClient()
+
+
+def _anthropic_http_client() -> AnthropicHttpxClient | None:
+    """The `anthropic` package's HTTP client, when installed."""
+    try:
+        from anthropic import DefaultAsyncHttpxClient
     except ImportError:
         return None
     return DefaultAsyncHttpxClient()

@@ -17,6 +17,8 @@ from rllm_async.backends.base import SamplingParams
 from rllm_async.rollout import RolloutContext
 from rllm_async.rollout.reply_parser import reply_parser
 from rllm_async.rollout.tool_parsers import HermesParser
+from rllm_async.workflows import OpenAIAgentWorkflow
+from rllm_async.workflows.openai_agent import anthropic_client
 from tests.gateway.test_gateway import KEY, serving
 from tests.gateway.test_gateway_frameworks import FINAL, RESULT, reply
 from tests.scripted import ScriptedPolicy, context
@@ -314,5 +316,35 @@ def test_count_tokens_counts_the_prompt_a_message_call_renders() -> None:
                 await client.messages.count_tokens(
                     model="policy", messages=chat, extra_body={"max_tokens": 8}
                 )
+
+    asyncio.run(go())
+
+
+def test_anthropic_client_shares_the_workflows_http_client() -> None:
+    """`anthropic_client(base_url, api_key)` takes the agent's `/v1` base URL and the session's key,
+    on one HTTP client for every rollout; its calls are the rollout's steps."""
+    policy = ScriptedPolicy(lambda p: "42")
+    clients: list[Any] = []
+
+    async def agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
+        client = anthropic_client(base_url, api_key, max_retries=0)
+        clients.append(client)
+        m = await client.messages.create(
+            model="policy", max_tokens=8, messages=[{"role": "user", "content": task["q"]}]
+        )
+        return float(m.content[0].type == "text" and m.content[0].text == "42")
+
+    async def go() -> None:
+        workflow = OpenAIAgentWorkflow(agent)
+        await workflow.start(policy)
+        try:
+            ctxs = [context(policy), context(policy)]
+            episodes = [await workflow.run({"q": "6*7?"}, ctx) for ctx in ctxs]
+            shared = workflow.anthropic_http
+        finally:
+            await workflow.close()
+        assert [e.reward for e in episodes] == [1.0, 1.0]
+        assert [len(c.trajectory().steps) for c in ctxs] == [1, 1]
+        assert shared is not None and all(c._client is shared for c in clients)
 
     asyncio.run(go())

@@ -54,7 +54,9 @@ def test_calls_outside_a_session_wait_for_the_sessions_pause() -> None:
             messages: Any = [{"role": "user", "content": "q"}]
             r = await client.chat.completions.create(model="policy", messages=messages)
             assert r.system_fingerprint == "policy-v0"  # no session yet: nothing to wait on
+            assert not await health_paused(gateway)
             gateway.session(ctx)  # the trainer's rollouts share the coordinator's pause
+            assert await health_paused(gateway)  # clients can see the pause
             call = asyncio.create_task(
                 client.chat.completions.create(model="policy", messages=messages)
             )
@@ -66,6 +68,13 @@ def test_calls_outside_a_session_wait_for_the_sessions_pause() -> None:
             policy.version = 1
             unpaused.set()
             r, t = await asyncio.wait_for(asyncio.gather(call, text), 30)
+            assert not await health_paused(gateway)
+            # The coordinator's own wait: a future, done when no sync runs (never cancelled).
+            sync: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            gateway.follow_pause(lambda: sync)
+            assert await health_paused(gateway) and not sync.cancelled()
+            sync.set_result(None)
+            assert not await health_paused(gateway)
         assert r.system_fingerprint == "policy-v1" and t.choices[0].text == "ok"
         assert ctx.trajectory().steps == []  # served, not recorded in the session
 
@@ -161,3 +170,13 @@ def test_a_client_that_times_out_and_retries_gets_one_recorded_step_per_reply() 
         assert [s.info["reply_id"] for s in steps] == [r.id, r2.id]
 
     asyncio.run(go())
+
+
+async def health_paused(gateway: Any) -> bool:
+    """What `/health` (no API key needed) says of a pause."""
+    async with httpx.AsyncClient() as http:
+        r = await http.get(f"{gateway.url}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    paused = r.json()["paused"]
+    assert isinstance(paused, bool)
+    return paused
