@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import torch
+from local_throughput import bench_learner  # beside this script
 
 from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local.hf import load_chat_tokenizer, load_checkpoint
-from rllm_async.backends.local.learner import Learner
 from rllm_async.backends.local.model import load_model
 from rllm_async.backends.local.sampler import Sampler
 from rllm_async.backends.local.snapshots import WeightStore
@@ -33,7 +33,7 @@ from rllm_async.backends.local.transformers_model import (
     inference_copy,
     load_transformers_model,
 )
-from rllm_async.config import LossConfig, OptimConfig
+from rllm_async.config import LossConfig
 from rllm_async.models.tiny_qwen import build_tiny_qwen
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
@@ -80,14 +80,7 @@ def sample(path: Path, model: Decoder, batch: int, new_tokens: int) -> tuple[flo
 
 def train(model: Decoder, samples: list) -> float:
     """Trained tokens/s of one forward/backward and optimizer step over `samples`."""
-    learner = Learner(
-        model,
-        OptimConfig(lr=1e-4),
-        total_steps=10,
-        temperature=1.0,
-        train_batch=16,
-        compute_dtype=torch.float32,
-    )
+    learner = bench_learner(model)
     groups = []
     for g in range(0, len(samples), GROUP):
         trajs = [

@@ -27,6 +27,7 @@ from rllm_async.backends.local.learner import Learner
 from rllm_async.backends.local.model import build_model, frozen_copy, preset_config
 from rllm_async.backends.local.sampler import Sampler
 from rllm_async.backends.local.snapshots import WeightStore
+from rllm_async.backends.local.transformers_model import Decoder
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import LossConfig, OptimConfig
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
@@ -102,11 +103,9 @@ def hf(batch: int, new_tokens: int, device: torch.device) -> float:
     return (out.shape[1] - PROMPT_TOKENS) * batch / elapsed
 
 
-def training(batch: int, seq_len: int, device: torch.device) -> float:
-    """Learner tokens/s (forward + backward + AdamW) on `batch` sequences of `seq_len` tokens."""
-    tok = CharTokenizer()
-    model = build_model(preset_config("small", tok.vocab_size), seed=0).to(device)
-    learner = Learner(
+def bench_learner(model: Decoder) -> Learner:
+    """The learner the local benchmarks time: AdamW at lr 1e-4, micro-batches of 16, float32."""
+    return Learner(
         model,
         OptimConfig(lr=1e-4),
         total_steps=10,
@@ -114,6 +113,13 @@ def training(batch: int, seq_len: int, device: torch.device) -> float:
         train_batch=16,
         compute_dtype=torch.float32,
     )
+
+
+def training(batch: int, seq_len: int, device: torch.device) -> float:
+    """Learner tokens/s (forward + backward + AdamW) on `batch` sequences of `seq_len` tokens."""
+    tok = CharTokenizer()
+    model = build_model(preset_config("small", tok.vocab_size), seed=0).to(device)
+    learner = bench_learner(model)
     half = seq_len // 2
     # Distinct completions after one shared prompt: the learner lays identical sequences out once,
     # so repeats would measure less work than they claim.

@@ -3,31 +3,20 @@ random heavy-tailed latencies and random pipeline depths d <= K."""
 
 from __future__ import annotations
 
-import random
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rllm_async.coordinator import Counts
-from rllm_async.trainer import UnifiedTrainer
 from rllm_async.vclock import run
-from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
+from tests import heavy_tailed
 
 
 @st.composite
 def schedules(draw: st.DrawFn) -> dict:
-    d = draw(st.integers(0, 3))
     return {
-        "d": d,
-        "k": d + draw(st.integers(0, 3)),
-        "gps": draw(st.integers(1, 4)),
-        "group_size": draw(st.integers(1, 4)),
-        "alpha": draw(st.floats(1.05, 3.0)),  # Pareto tail index: small = very heavy tail
-        "scale": draw(st.floats(0.01, 2.0)),
-        "train_s": draw(st.floats(0.0, 3.0)),
+        **draw(heavy_tailed.schedules()),
         "policy": draw(st.sampled_from(["requeue", "drop"])),
         "weight_update": draw(st.sampled_from(["pin", "latest"])),
-        "seed": draw(st.integers(0, 2**16)),
     }
 
 
@@ -36,24 +25,8 @@ def schedules(draw: st.DrawFn) -> dict:
 )
 @given(s=schedules())
 def test_conservation_and_hard_bound(tmp_path, s: dict) -> None:
-    rng = random.Random(s["seed"])
-    backend = FakeBackend(
-        latency=lambda: rng.paretovariate(s["alpha"]) * s["scale"], train_s=s["train_s"]
-    )
-    workflow = ScriptedWorkflow(reward=lambda task, i, a: float(rng.random() < 0.5))
-    cfg = make_config(
-        tmp_path,
-        train={"total_steps": 6, "groups_per_step": s["gps"], "micro_batch_groups": 1},
-        rollout={"group_size": s["group_size"], "min_group_size": 1, "timeout_s": 1e6},
-        coordinator={
-            "pipeline_depth": s["d"],
-            "max_staleness": s["k"],
-            "stale_policy": s["policy"],
-            "weight_update": s["weight_update"],
-        },
-        algorithm={"filter_zero_variance": False},
-    )
-    trainer = UnifiedTrainer(cfg, backend=backend, workflow=workflow, train_tasks=tasks(50))
+    coordinator = {"stale_policy": s["policy"], "weight_update": s["weight_update"]}
+    trainer, backend = heavy_tailed.trainer(tmp_path, s, {}, coordinator)
     events = []
 
     def check(name: str, c: Counts) -> None:

@@ -4,7 +4,6 @@ waiting rollout starves, and that the trainer keeps the hard bound with the limi
 from __future__ import annotations
 
 import asyncio
-import random
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -13,9 +12,8 @@ from rllm_async.config import CoordinatorConfig
 from rllm_async.coordinator import SyncCoordinator
 from rllm_async.rollout_slots import RolloutSlots
 from rllm_async.simulate import run_workload
-from rllm_async.trainer import UnifiedTrainer
 from rllm_async.vclock import run
-from tests.fakes import FakeBackend, ScriptedWorkflow, make_config, tasks
+from tests import heavy_tailed
 
 
 async def _no_hook(version: int) -> None:
@@ -152,18 +150,10 @@ def test_grants_in_order_within_the_limit_and_never_starve(w: dict) -> None:
 
 @st.composite
 def schedules(draw: st.DrawFn) -> dict:
-    d = draw(st.integers(0, 3))
     return {
-        "d": d,
-        "k": d + draw(st.integers(0, 3)),
-        "gps": draw(st.integers(1, 4)),
-        "group_size": draw(st.integers(1, 4)),
+        **draw(heavy_tailed.schedules()),
         "max_concurrency": draw(st.integers(1, 8)),
         "share": draw(st.sampled_from([None, 0.25, 0.5, 1.0])),
-        "alpha": draw(st.floats(1.05, 3.0)),  # Pareto tail index: small = very heavy tail
-        "scale": draw(st.floats(0.01, 2.0)),
-        "train_s": draw(st.floats(0.0, 3.0)),
-        "seed": draw(st.integers(0, 2**16)),
     }
 
 
@@ -174,25 +164,8 @@ def schedules(draw: st.DrawFn) -> dict:
 def test_the_trainer_keeps_the_hard_bound_with_the_late_limit(tmp_path, s: dict) -> None:
     """Heavy-tailed rollouts under a binding concurrency limit: every step trains, no trained
     group is staler than K, and the run ends (no rollout waits for ever)."""
-    rng = random.Random(s["seed"])
-    backend = FakeBackend(
-        latency=lambda: rng.paretovariate(s["alpha"]) * s["scale"], train_s=s["train_s"]
-    )
-    workflow = ScriptedWorkflow(reward=lambda task, i, a: float(rng.random() < 0.5))
-    cfg = make_config(
-        tmp_path,
-        train={"total_steps": 6, "groups_per_step": s["gps"], "micro_batch_groups": 1},
-        rollout={
-            "group_size": s["group_size"],
-            "min_group_size": 1,
-            "timeout_s": 1e6,
-            "max_concurrency": s["max_concurrency"],
-            "late_concurrency": s["share"],
-        },
-        coordinator={"pipeline_depth": s["d"], "max_staleness": s["k"]},
-        algorithm={"filter_zero_variance": False},
-    )
-    trainer = UnifiedTrainer(cfg, backend=backend, workflow=workflow, train_tasks=tasks(50))
+    rollout = {"max_concurrency": s["max_concurrency"], "late_concurrency": s["share"]}
+    trainer, backend = heavy_tailed.trainer(tmp_path, s, rollout, {})
     records = run(trainer.fit(), virtual=True)
 
     assert len(records) == 6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,21 +96,30 @@ def test_micro_batches_give_the_same_update_as_one_batch(kl_coef: float) -> None
 
 
 def test_resume_gives_the_same_next_step(tmp_path: Path) -> None:
-    cfg = make_config()
+    resume_round_trip(make_config(), lambda backend: sample_groups(backend, 2), tmp_path / "ckpt")
+
+
+def resume_round_trip(
+    cfg: Config,
+    sample: Callable[[LocalBackend], Awaitable[list[TrajectoryGroup]]],
+    path: Path,
+) -> None:
+    """Two steps, a checkpoint, a third step; a backend resumed from the checkpoint takes the
+    same third step: the same weights and the same point of the learning-rate schedule."""
 
     async def main() -> None:
         first = LocalBackend.from_config(cfg)
-        groups = await sample_groups(first, 2)
+        groups = await sample(first)
         for version in (1, 2):
             await first.forward_backward(groups, cfg.algorithm.loss)
             await first.optim_step()
             await first.on_policy_updated(version)
-        await first.save(tmp_path / "ckpt")
+        await first.save(path)
         await first.forward_backward(groups, cfg.algorithm.loss)
         expected = await first.optim_step()
 
         resumed = LocalBackend.from_config(cfg)
-        await resumed.load(tmp_path / "ckpt")
+        await resumed.load(path)
         assert resumed.policy().acquire() == 2
         await resumed.forward_backward(groups, cfg.algorithm.loss)
         got = await resumed.optim_step()

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rllm_async import SingleTurnWorkflow, UnifiedTrainer
 from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.local import LocalBackend
 from rllm_async.backends.local.model import preset_config
@@ -19,8 +18,7 @@ from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import Config, config_from_dict
 from rllm_async.export import export_run
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
-from tests.backends.local.test_local_learning import mean_reward
-from tests.backends.local.test_local_lora import adapters_only_run
+from tests.digits import adapters_only_run, digits_config, mean_reward, train
 from tests.test_export import TOLERANCE as EXPORT_TOLERANCE
 from tests.test_export import max_logprob_gap, our_model, trained_run
 
@@ -147,30 +145,8 @@ def test_a_gpu_checkpoint_resumes_on_the_cpu(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-def digit_fraction(task: dict, text: str) -> float:
-    head = text[:8]
-    return sum(ch.isdigit() for ch in head) / 8 if head else 0.0
-
-
 def test_async_grpo_learns_on_the_gpu(tmp_path: Path) -> None:
-    config = config_from_dict(
-        {
-            "run_dir": str(tmp_path),
-            "seed": 0,
-            "backend": {"name": "local", "device": "cuda", "max_batch": 64, "max_seq_len": 32},
-            "rollout": {"group_size": 8, "max_tokens": 8},
-            "coordinator": {"pipeline_depth": 1, "max_staleness": 1},
-            "train": {"total_steps": 30, "groups_per_step": 8, "micro_batch_groups": 4},
-            "optim": {"lr": 3e-3},
-            "checkpoint": {"resume": "never", "at_end": False},
-            "logging": {"progress_bar": False},
-        }
-    )
-    records = UnifiedTrainer(
-        config,
-        workflow=SingleTurnWorkflow(reward_fn=digit_fraction),
-        train_tasks=[{"id": str(i), "prompt": f"n={i}"} for i in range(200)],
-    ).run()
+    records = train(digits_config(tmp_path, "run", {"device": "cuda"}))
     rewards = [r["rollout/reward/mean"] for r in records if "rollout/reward/mean" in r]
     start, end = sum(rewards[:3]) / 3, sum(rewards[-5:]) / 5
     assert end > start + 0.4, (start, end)

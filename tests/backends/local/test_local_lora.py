@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,6 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from rllm_async import SingleTurnWorkflow
 from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local import LocalBackend
 from rllm_async.backends.local.backend import CHECKPOINT_FILE
@@ -23,7 +21,6 @@ from rllm_async.cli import main as cli
 from rllm_async.config import ConfigError, config_from_dict
 from rllm_async.trainer import UnifiedTrainer
 from tests.backends.local.test_local_backend import make_config, sample_groups
-from tests.backends.local.test_local_learning import digit_fraction, mean_reward
 from tests.backends.local.test_local_sampler import full_forward_logprobs
 
 TOKENS = torch.tensor([[5, 17, 3, 40, 41, 9, 2, 60], [7, 7, 7, 1, 2, 3, 4, 5]])
@@ -258,74 +255,6 @@ def test_export_writes_the_merged_model_a_peft_adapter_and_its_base(tmp_path: Pa
         adapted = peft.PeftModel.from_pretrained(base, str(out / "adapter")).eval()
         got = torch.log_softmax(adapted(tokens).logits, dim=-1)
         assert (got - expected).abs().max() < 1e-4
-
-
-def test_reward_rises_when_only_adapters_train(tmp_path: Path) -> None:
-    """Async GRPO with adapters only, after a warm start that answers in digits or in letters
-    half the time: the adapters learn to answer in digits. (The `tiny` preset's initial
-    embeddings are too small for adapters alone to move its output much.)"""
-    records = adapters_only_run(tmp_path)
-    start, end = mean_reward(records[:1]), mean_reward(records[-5:])  # step 1 samples the base
-    assert 0.3 < start < 0.7
-    assert end > 0.9, (start, end)
-
-
-def adapters_only_run(tmp_path: Path, **backend: Any) -> list[dict[str, Any]]:
-    """The step records of 30 async GRPO steps that train adapters only, rewarding digits."""
-    warm_start = {
-        "examples": f"{__name__}:mixed_replies",
-        "args": {"n": 200},
-        "steps": 50,
-        "batch_size": 16,
-        "lr": 1e-2,
-        "cache_dir": str(tmp_path / "warm_start"),
-    }
-    config = config_from_dict(
-        {
-            "name": "lora",
-            "run_dir": str(tmp_path),
-            "seed": 0,
-            "backend": {
-                "name": "local",
-                "max_batch": 64,
-                "max_seq_len": 32,
-                "lora": {"rank": 8, "alpha": 32},
-                "warm_start": warm_start,
-                **backend,
-            },
-            "rollout": {"group_size": 8, "max_tokens": 8, "temperature": 1.0},
-            "coordinator": {"pipeline_depth": 1, "max_staleness": 1},
-            "train": {"total_steps": 30, "groups_per_step": 8, "micro_batch_groups": 4},
-            "optim": {"lr": 1e-2},
-            "algorithm": {"filter_zero_variance": True},
-            "checkpoint": {"resume": "never", "at_end": False},
-            "logging": {"progress_bar": False},
-        }
-    )
-    trainer = UnifiedTrainer(
-        config,
-        workflow=SingleTurnWorkflow(reward_fn=digit_fraction),
-        train_tasks=[{"id": str(i), "prompt": f"n={i}"} for i in range(200)],
-    )
-    return trainer.run()
-
-
-def mixed_replies(n: int) -> list[dict[str, Any]]:
-    """Transcripts whose replies are all digits or all letters, half and half, for the warm start."""
-    rng = random.Random(0)
-    examples = []
-    for i in range(n):
-        chars = "0123456789" if i % 2 else "abcdefghij"
-        reply = "".join(rng.choice(chars) for _ in range(8))
-        examples.append(
-            {
-                "messages": [
-                    {"role": "user", "content": f"n={i}"},
-                    {"role": "assistant", "content": reply},
-                ]
-            }
-        )
-    return examples
 
 
 def test_a_checkpoint_directory_is_the_base_of_its_exported_adapter(tmp_path: Path) -> None:

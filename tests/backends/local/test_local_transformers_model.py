@@ -15,7 +15,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from rllm_async import SingleTurnWorkflow, UnifiedTrainer  # noqa: E402
 from rllm_async.backends.base import SamplingParams  # noqa: E402
 from rllm_async.backends.local import LocalBackend  # noqa: E402
 from rllm_async.backends.local.model import Transformer  # noqa: E402
@@ -25,7 +24,9 @@ from rllm_async.backends.local.transformers_model import (  # noqa: E402
 )
 from rllm_async.config import Config, ConfigError, config_from_dict  # noqa: E402
 from rllm_async.types import Step, Trajectory, TrajectoryGroup  # noqa: E402
+from tests.backends.local.test_local_backend import resume_round_trip  # noqa: E402
 from tests.backends.local.test_local_hf import save_tokenizer  # noqa: E402
+from tests.digits import digits_config, train  # noqa: E402
 
 SHAPE = dict(
     hidden_size=32,
@@ -259,30 +260,10 @@ def test_micro_batches_give_the_same_update_as_one_batch(checkpoints: dict[str, 
 
 
 def test_resume_gives_the_same_next_step(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    cfg = make_config(checkpoints["phi3"])
+    async def sample(backend: LocalBackend) -> list[TrajectoryGroup]:
+        return [await sample_group(backend, "ab")]
 
-    async def main() -> None:
-        first = LocalBackend.from_config(cfg)
-        groups = [await sample_group(first, "ab")]
-        for version in (1, 2):
-            await first.forward_backward(groups, cfg.algorithm.loss)
-            await first.optim_step()
-            await first.on_policy_updated(version)
-        await first.save(tmp_path / "ckpt")
-        await first.forward_backward(groups, cfg.algorithm.loss)
-        expected = await first.optim_step()
-
-        resumed = LocalBackend.from_config(cfg)
-        await resumed.load(tmp_path / "ckpt")
-        assert resumed.policy().acquire() == 2
-        await resumed.forward_backward(groups, cfg.algorithm.loss)
-        got = await resumed.optim_step()
-        assert got["optim/lr"] == expected["optim/lr"]
-        assert torch.allclose(params(resumed), params(first), atol=1e-7)
-        for b in (first, resumed):
-            await b.close()
-
-    asyncio.run(main())
+    resume_round_trip(make_config(checkpoints["phi3"]), sample, tmp_path / "ckpt")
 
 
 def test_export_is_a_checkpoint_transformers_loads(
@@ -414,39 +395,12 @@ def test_length_dependent_rope_limits_max_seq_len_to_the_original_context() -> N
     assert max_positions({**phi3_128k, "rope_scaling": None}) == 131072
 
 
-def digit_fraction(task: dict[str, Any], text: str) -> float:
-    """The share of digits among the reply's first 8 characters."""
-    head = text[:8]
-    return sum(ch.isdigit() for ch in head) / 8 if head else 0.0
-
-
 def test_grpo_raises_a_trivial_reward(checkpoints: dict[str, Path], tmp_path: Path) -> None:
-    config = config_from_dict(
-        {
-            "name": "fallback",
-            "run_dir": str(tmp_path),
-            "seed": 0,
-            "backend": {
-                "name": "local",
-                "model_path": str(checkpoints["qwen2_moe"]),
-                "max_batch": 64,
-                "max_seq_len": 40,
-            },
-            "rollout": {"group_size": 8, "max_tokens": 8, "temperature": 1.0},
-            "coordinator": {"pipeline_depth": 1, "max_staleness": 1},
-            "train": {"total_steps": 20, "groups_per_step": 4, "micro_batch_groups": 4},
-            "optim": {"lr": 1e-2},
-            "algorithm": {"filter_zero_variance": True},
-            "checkpoint": {"resume": "never", "at_end": False},
-            "logging": {"progress_bar": False},
-        }
+    backend = {"model_path": str(checkpoints["qwen2_moe"]), "max_seq_len": 40}
+    config = digits_config(
+        tmp_path, "fallback", backend, total_steps=20, groups_per_step=4, lr=1e-2
     )
-    trainer = UnifiedTrainer(
-        config,
-        workflow=SingleTurnWorkflow(reward_fn=digit_fraction),
-        train_tasks=[{"id": str(i), "prompt": f"n={i}"} for i in range(100)],
-    )
-    records = trainer.run()
+    records = train(config, n_tasks=100)
     rewards = [r["rollout/reward/mean"] for r in records if "rollout/reward/mean" in r]
     start, end = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert end > start + 0.3, (start, end)
