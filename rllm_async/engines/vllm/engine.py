@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rllm_async.backends.base import Tokenizer
 from rllm_async.engines.vllm.client import PauseMode, VLLMPolicy
@@ -50,6 +50,20 @@ class VLLMOptions(BaseModel):
     read_timeout_s: float = Field(default=600.0, gt=0.0)
     sync_timeout_s: float = Field(default=60.0, gt=0.0)
     extra_args: list[str] = Field(default_factory=list)  # more `vllm serve` flags
+    # Without compilation (and CUDA graphs): a quick start; a GPU build serves faster with False.
+    enforce_eager: bool = True
+    env: dict[str, str] = Field(default_factory=dict)  # added to every started server's environment
+    # One entry per started server: its CUDA_VISIBLE_DEVICES (e.g. ["0", "1"]); empty: inherited.
+    devices: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_device_entry_per_server(self) -> VLLMOptions:
+        if self.devices and (self.urls or len(self.devices) != self.servers):
+            raise ValueError(
+                f"backend.vllm.devices has {len(self.devices)} entries: give one per started "
+                f"server (servers: {self.servers}), and none with urls (those servers are yours)"
+            )
+        return self
 
 
 class VLLMEngine:
@@ -92,7 +106,9 @@ class VLLMEngine:
                         max_model_len=max_seq_len,
                         kv_cache_gib=opts.kv_cache_gib,
                         startup_timeout_s=opts.startup_timeout_s,
+                        enforce_eager=opts.enforce_eager,
                         extra_args=opts.extra_args,
+                        env=_server_env(opts, i),
                     )
                     for i in range(opts.servers)
                 ]
@@ -150,6 +166,13 @@ class VLLMEngine:
         for server in self._servers:
             server.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _server_env(opts: VLLMOptions, index: int) -> dict[str, str]:
+    """What server `index` adds to its environment: `env`, and its entry of `devices`."""
+    if not opts.devices:
+        return dict(opts.env)
+    return {**opts.env, "CUDA_VISIBLE_DEVICES": opts.devices[index]}
 
 
 def _default_weights_root(run_dir: Path) -> Path:

@@ -32,9 +32,10 @@ class VLLMServer:
     """One `vllm.entrypoints.openai.api_server` on 127.0.0.1, in a process group of its own.
 
     Started with the development routes (`VLLM_SERVER_DEV_MODE=1`: pause, reload, version labels)
-    and `--enable-scale-out` (token-in/token-out `/inference/v1/generate`), eager (no compile:
-    a 20 s start instead of 60 s), offline, and logprobs after temperature (`processed_logprobs`,
-    as the local sampler reports them). Its output goes to `log_path`.
+    and `--enable-scale-out` (token-in/token-out `/inference/v1/generate`), eager unless
+    `enforce_eager=False` (no compile or CUDA graphs: a 20 s start on the CPU instead of 60 s),
+    offline, and logprobs after temperature (`processed_logprobs`, as the local sampler reports
+    them). `env` is added to its environment. Its output goes to `log_path`.
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class VLLMServer:
         max_model_len: int = 1024,
         kv_cache_gib: int = 1,
         startup_timeout_s: float = 180.0,
+        enforce_eager: bool = True,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
     ) -> None:
@@ -60,6 +62,7 @@ class VLLMServer:
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
         self.startup_timeout_s = startup_timeout_s
+        self.enforce_eager = enforce_eager
         self.extra_args = tuple(extra_args)
         self.env = dict(env or {})
         self._proc: subprocess.Popen[bytes] | None = None
@@ -95,7 +98,7 @@ class VLLMServer:
             str(self.max_model_len),
             "--logprobs-mode",
             "processed_logprobs",
-            "--enforce-eager",
+            *(["--enforce-eager"] if self.enforce_eager else []),
             "--enable-scale-out",
             *self.extra_args,
         ]
