@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-import pytest
+import agents
 
 from rllm_async import UnifiedTrainer
 from rllm_async.backends.base import Backend, PolicyClient
@@ -20,10 +20,9 @@ from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
 from rllm_async.workflows import OpenAIAgentWorkflow
 from rllm_async.workflows.openai_agent import openai_client
-from tests.gateway.test_gateway_frameworks import RESULT, Answer, calc
+from tests.gateway.frameworks import RESULT, Answer, calc_agent
 from tests.scripted import ScriptedPolicy
 
-agents = pytest.importorskip("agents")
 CALL = '<tool_call>{"name": "calc", "arguments": {"expr": "6*7"}}</tool_call>'
 
 
@@ -82,14 +81,7 @@ async def agent(base_url: str, api_key: str, task: dict[str, Any]) -> float:
         model: Any = agents.OpenAIResponsesModel(model="policy", openai_client=client)
     else:
         model = agents.OpenAIChatCompletionsModel(model="policy", openai_client=client)
-    bot = agents.Agent(
-        name="calc",
-        instructions="Use the tool.",
-        tools=[agents.function_tool(calc)],
-        model=model,
-        output_type=Answer,
-    )
-    result = await agents.Runner.run(bot, task["prompt"], max_turns=4)
+    result = await agents.Runner.run(calc_agent(model), task["prompt"], max_turns=4)
     return float(result.final_output == Answer(answer=42))
 
 
@@ -105,7 +97,6 @@ class Recorded(OpenAIAgentWorkflow):
 
 
 def test_training_an_openai_agents_agent_through_the_gateway(tmp_path: Path) -> None:
-    agents.set_tracing_disabled(True)
     config = config_from_dict(
         {
             "name": "agents",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from rllm_async.backends.base import SamplingParams
@@ -22,8 +23,6 @@ from rllm_async.config import config_from_dict
 from rllm_async.gateway import Gateway
 from tests.gateway.validation import Validating, check
 from tests.scripted import RecordingPolicy, ScriptedPolicy, context
-
-openai = pytest.importorskip("openai")
 
 KEY = "test-key"
 CALC = {

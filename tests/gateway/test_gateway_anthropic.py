@@ -9,8 +9,10 @@ import asyncio
 import json
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
+from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
 from rllm_async.backends.base import SamplingParams
@@ -19,12 +21,9 @@ from rllm_async.rollout.reply_parser import reply_parser
 from rllm_async.rollout.tool_parsers import HermesParser
 from rllm_async.workflows import OpenAIAgentWorkflow
 from rllm_async.workflows.openai_agent import anthropic_client
+from tests.gateway.frameworks import FINAL, RESULT, reply
 from tests.gateway.test_gateway import KEY, serving
-from tests.gateway.test_gateway_frameworks import FINAL, RESULT, reply
 from tests.scripted import ScriptedPolicy, context
-
-anthropic = pytest.importorskip("anthropic")
-from anthropic.types import Message, RawMessageStreamEvent  # noqa: E402
 
 CALC = {
     "name": "calc",

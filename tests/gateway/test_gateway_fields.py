@@ -10,6 +10,7 @@ from typing import Any, get_type_hints
 
 import anthropic
 import httpx
+import openai
 import pytest
 from anthropic.types.message_count_tokens_params import MessageCountTokensParams
 from anthropic.types.message_create_params import MessageCreateParamsBase
@@ -26,8 +27,6 @@ from rllm_async.gateway.protocol_responses import ResponseRequest
 from rllm_async.rollout.tool_parsers import HermesParser
 from tests.gateway.test_gateway import CALC, KEY, serving
 from tests.scripted import ScriptedPolicy, context
-
-openai = pytest.importorskip("openai")
 
 CHAT: dict[str, Any] = {"model": "policy", "messages": [{"role": "user", "content": "6*7?"}]}
 NAMED = {"type": "function", "function": {"name": "calc"}}

@@ -4,50 +4,16 @@ on 127.0.0.1 over a scripted policy; every call is recorded in a session named b
 from __future__ import annotations
 
 import asyncio
-import json
-import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import openai
 import pytest
-from pydantic import BaseModel
 
 from rllm_async.gateway import Gateway
-from rllm_async.rollout.tool_parsers import HermesParser
+from tests.gateway.frameworks import FINAL, Answer, calc, calc_agent, reply
 from tests.gateway.test_gateway import serving
 from tests.scripted import ScriptedPolicy, context
-
-RESULT = "RESULT-42"  # what the calc tool returns; seeing it in the prompt ends the loop
-FINAL = '{"answer": 42}'
-
-
-class Answer(BaseModel):
-    answer: int
-
-
-def calc(expr: str) -> str:
-    """Evaluate an arithmetic expression.
-
-    Args:
-        expr: the expression, e.g. 6*7
-    """
-    return RESULT
-
-
-def reply(prompt: str) -> str:
-    """Call `calc` until its result is in the prompt, then answer (as JSON, or through the tool a
-    forced call names: `final_answer`, or a structured-output function)."""
-    done = RESULT in prompt
-    if prompt.endswith(HermesParser().forced_prefix(None)):
-        if done:
-            return 'final_answer", "arguments": {"answer": "42"}}</tool_call>'
-        return 'calc", "arguments": {"expr": "6*7"}}</tool_call>'
-    if m := re.search(r'"name": "(\w+)", "arguments": $', prompt):
-        args = {"expr": "6*7"} if m.group(1) == "calc" else {"answer": 42}
-        return json.dumps(args) + "}</tool_call>"
-    if not done and '"name": "calc"' in prompt:
-        return '<tool_call>{"name": "calc", "arguments": {"expr": "6*7"}}</tool_call>'
-    return FINAL
 
 
 async def run_in_session(agent: Callable[[str, str], Awaitable[Any]]) -> tuple[Any, list[Any]]:
@@ -61,21 +27,12 @@ async def run_in_session(agent: Callable[[str, str], Awaitable[Any]]) -> tuple[A
 
 
 def test_openai_agents_chat_completions_model_with_tools_and_output_type() -> None:
-    agents = pytest.importorskip("agents")
-    openai = pytest.importorskip("openai")
-    agents.set_tracing_disabled(True)
+    import agents
 
     async def agent(base_url: str, key: str) -> Any:
         client = openai.AsyncOpenAI(base_url=base_url, api_key=key)
         model = agents.OpenAIChatCompletionsModel(model="policy", openai_client=client)
-        bot = agents.Agent(
-            name="calc",
-            instructions="Use the tool.",
-            tools=[agents.function_tool(calc)],
-            model=model,
-            output_type=Answer,
-        )
-        return (await agents.Runner.run(bot, "6*7?", max_turns=4)).final_output
+        return (await agents.Runner.run(calc_agent(model), "6*7?", max_turns=4)).final_output
 
     result, steps = asyncio.run(run_in_session(agent))
     assert result == Answer(answer=42)
@@ -84,9 +41,9 @@ def test_openai_agents_chat_completions_model_with_tools_and_output_type() -> No
 
 
 def test_langgraph_react_agent_and_structured_output() -> None:
-    langchain_openai = pytest.importorskip("langchain_openai")
-    prebuilt = pytest.importorskip("langgraph.prebuilt")
+    import langchain_openai
     from langchain_core.tools import tool
+    from langgraph import prebuilt
 
     async def agent(base_url: str, key: str) -> Any:
         llm = langchain_openai.ChatOpenAI(model="policy", base_url=base_url, api_key=key)
@@ -105,7 +62,7 @@ def test_langgraph_react_agent_and_structured_output() -> None:
 
 
 def test_smolagents_tool_calling_agent_with_its_defaults() -> None:
-    smolagents = pytest.importorskip("smolagents")
+    import smolagents
 
     async def agent(base_url: str, key: str) -> Any:
         model = smolagents.OpenAIServerModel(model_id="policy", api_base=base_url, api_key=key)
@@ -120,7 +77,8 @@ def test_smolagents_tool_calling_agent_with_its_defaults() -> None:
 
 def test_litellm_tool_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of prices at import
-    litellm = pytest.importorskip("litellm")
+    import litellm
+
     tools = [
         {
             "type": "function",

@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 import httpx
-import pytest
+import openai
 from openai.types.responses import (
     Response,
     ResponseFunctionToolCall,
@@ -21,11 +21,9 @@ from pydantic import TypeAdapter
 from rllm_async.backends.base import SamplingParams
 from rllm_async.rollout import RolloutContext
 from rllm_async.rollout.reply_parser import reply_parser
+from tests.gateway.frameworks import FINAL, RESULT, Answer, calc_agent, reply
 from tests.gateway.test_gateway import KEY, serving
-from tests.gateway.test_gateway_frameworks import FINAL, RESULT, Answer, calc, reply
 from tests.scripted import ScriptedPolicy, context
-
-openai = pytest.importorskip("openai")
 
 CALC = {
     "type": "function",
@@ -232,8 +230,8 @@ def test_unsupported_fields_are_refused_with_their_param() -> None:
 
 
 def test_openai_agents_default_responses_model_runs_a_tool_loop() -> None:
-    agents = pytest.importorskip("agents")
-    agents.set_tracing_disabled(True)
+    import agents
+
     policy = ScriptedPolicy(reply)
 
     async def go() -> tuple[Any, list[Any]]:
@@ -241,13 +239,7 @@ def test_openai_agents_default_responses_model_runs_a_tool_loop() -> None:
             session = gateway.session(context(policy))
             client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=session.key)
             model = agents.OpenAIResponsesModel(model="policy", openai_client=client)
-            bot = agents.Agent(
-                name="calc",
-                instructions="Use the tool.",
-                tools=[agents.function_tool(calc)],
-                model=model,
-                output_type=Answer,
-            )
+            bot = calc_agent(model)
             result = await agents.Runner.run(bot, "6*7?", max_turns=4)
             streamed = agents.Runner.run_streamed(bot, "6*7?", max_turns=4)
             async for _ in streamed.stream_events():

@@ -8,15 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from rllm_async.backends.hf_tokenizer import HFTokenizer
 from rllm_async.backends.toy_tokenizers import ByteTokenizer, CharTokenizer
 from tests.gateway.test_gateway import KEY, serving
 from tests.scripted import ScriptedPolicy, context
-
-openai = pytest.importorskip("openai")
-pytest.importorskip("transformers")
 
 # Shows the two variables the template reads, as Qwen3's reads `enable_thinking`.
 MARKER = (
