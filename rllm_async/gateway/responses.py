@@ -222,18 +222,27 @@ def stream_events(response: Response) -> list[ResponseStreamEvent]:
     return events
 
 
+def _item_events(index: int, item: Any, opening: dict[str, Any], inner: list[Any]) -> list[Any]:
+    """An output item's events: added (in progress, with `opening`'s fields emptied), `inner`,
+    done."""
+    started = item.model_copy(update={"status": "in_progress", **opening})
+    return [
+        ResponseOutputItemAddedEvent(
+            type="response.output_item.added", item=started, output_index=index, sequence_number=0
+        ),
+        *inner,
+        ResponseOutputItemDoneEvent(
+            type="response.output_item.done", item=item, output_index=index, sequence_number=0
+        ),
+    ]
+
+
 def _message_events(index: int, item: ResponseOutputMessage) -> list[Any]:
     [part] = item.content
     assert isinstance(part, ResponseOutputText)
     empty = part.model_copy(update={"text": ""})
     at: dict[str, Any] = {"item_id": item.id, "output_index": index, "sequence_number": 0}
-    return [
-        ResponseOutputItemAddedEvent(
-            type="response.output_item.added",
-            item=item.model_copy(update={"status": "in_progress", "content": []}),
-            output_index=index,
-            sequence_number=0,
-        ),
+    inner = [
         ResponseContentPartAddedEvent(
             type="response.content_part.added", content_index=0, part=empty, **at
         ),
@@ -246,53 +255,33 @@ def _message_events(index: int, item: ResponseOutputMessage) -> list[Any]:
         ResponseContentPartDoneEvent(
             type="response.content_part.done", content_index=0, part=part, **at
         ),
-        ResponseOutputItemDoneEvent(
-            type="response.output_item.done", item=item, output_index=index, sequence_number=0
-        ),
     ]
+    return _item_events(index, item, {"content": []}, inner)
 
 
 def _reasoning_events(index: int, item: ResponseReasoningItem) -> list[Any]:
     [thought] = item.content or []
     at: dict[str, Any] = {"item_id": item.id, "output_index": index, "sequence_number": 0}
-    return [
-        ResponseOutputItemAddedEvent(
-            type="response.output_item.added",
-            item=item.model_copy(update={"status": "in_progress", "content": []}),
-            output_index=index,
-            sequence_number=0,
-        ),
+    inner = [
         ResponseReasoningTextDeltaEvent(
             type="response.reasoning_text.delta", content_index=0, delta=thought.text, **at
         ),
         ResponseReasoningTextDoneEvent(
             type="response.reasoning_text.done", content_index=0, text=thought.text, **at
         ),
-        ResponseOutputItemDoneEvent(
-            type="response.output_item.done", item=item, output_index=index, sequence_number=0
-        ),
     ]
+    return _item_events(index, item, {"content": []}, inner)
 
 
 def _call_events(index: int, item: ResponseFunctionToolCall) -> list[Any]:
     assert item.id is not None
     at: dict[str, Any] = {"item_id": item.id, "output_index": index, "sequence_number": 0}
-    return [
-        ResponseOutputItemAddedEvent(
-            type="response.output_item.added",
-            item=item.model_copy(update={"status": "in_progress", "arguments": ""}),
-            output_index=index,
-            sequence_number=0,
-        ),
+    inner = [
         ResponseFunctionCallArgumentsDeltaEvent(
             type="response.function_call_arguments.delta", delta=item.arguments, **at
         ),
         ResponseFunctionCallArgumentsDoneEvent(
-            type="response.function_call_arguments.done",
-            arguments=item.arguments,
-            **at,
-        ),
-        ResponseOutputItemDoneEvent(
-            type="response.output_item.done", item=item, output_index=index, sequence_number=0
+            type="response.function_call_arguments.done", arguments=item.arguments, **at
         ),
     ]
+    return _item_events(index, item, {"arguments": ""}, inner)
