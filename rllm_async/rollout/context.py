@@ -14,6 +14,7 @@ from typing import Any
 
 from rllm_async.backends.base import Completion, PolicyClient, SamplingParams
 from rllm_async.rollout.chat import ChatHistory
+from rllm_async.rollout.deadline import Deadline
 from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
 from rllm_async.types import Episode, Step, Termination, Trajectory
 
@@ -83,7 +84,7 @@ class RolloutContext:
         self.parser = parser or reply_parser(policy.tokenizer)
         self.sampling = sampling
         self._deadline = deadline
-        self._scopes: dict[asyncio.Timeout, float] = {}  # open `timeout()` scopes: their margins
+        self._scopes: dict[Deadline, float] = {}  # open `timeout()` scopes: their margins
         self.task_id = task_id
         self.rollout_index = rollout_index
         self.attempt = attempt
@@ -321,8 +322,8 @@ class RolloutContext:
 
 
 class _DeadlineScope(contextlib.AbstractAsyncContextManager[None]):
-    """`RolloutContext.timeout`: an asyncio timeout registered with its context, so that waits
-    for weight syncs move it. A plain class: every rollout opens one."""
+    """`RolloutContext.timeout`: a `Deadline` registered with its context, so that waits for
+    weight syncs move it. A plain class: every rollout opens one."""
 
     __slots__ = ("_ctx", "_margin_s", "_scope")
 
@@ -331,7 +332,7 @@ class _DeadlineScope(contextlib.AbstractAsyncContextManager[None]):
         self._margin_s = margin_s
 
     async def __aenter__(self) -> None:
-        self._scope = asyncio.timeout_at(self._ctx.deadline - self._margin_s)
+        self._scope = Deadline(self._ctx.deadline - self._margin_s)
         await self._scope.__aenter__()
         self._ctx._scopes[self._scope] = self._margin_s
 
