@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from rllm_async.rollout import ChatTurn, RolloutContext
-from rllm_async.rollout.chat import ChatHistory
 from rllm_async.rollout.tool_calls import ParsedReply
 
 
@@ -99,6 +98,7 @@ def keep_first_call(
     step.logprobs = step.logprobs[:lo]
     step.versions = step.versions[:lo]
     step.info["dropped_tool_calls"] = len(calls) - 1
-    history = ctx._chats.setdefault("default", ChatHistory())
-    history.add(messages, shown, tools, step.prompt_ids, step.completion_ids, template_kwargs)
+    ctx.chat_history().add(
+        messages, shown, tools, step.prompt_ids, step.completion_ids, template_kwargs
+    )
     turn.message = shown

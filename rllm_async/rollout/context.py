@@ -133,6 +133,13 @@ class RolloutContext:
         """Every actor's trajectory recorded so far (rewards not yet combined; see build_episode)."""
         return list(self._trajectories.values())
 
+    def chat_history(self, actor: str = "default") -> ChatHistory:
+        """The chat turns of `actor` so far, which later turns' prompts extend (`chat_turn`)."""
+        history = self._chats.get(actor)
+        if history is None:
+            history = self._chats[actor] = ChatHistory()
+        return history
+
     def trajectory(self, actor: str = "default") -> Trajectory:
         traj = self._trajectories.get(actor)
         if traj is None:
@@ -219,7 +226,7 @@ class RolloutContext:
         `ChatTemplateError` when the template cannot render the messages.
         """
         tok = self.policy.tokenizer
-        history = self._chats.setdefault(actor, ChatHistory())
+        history = self.chat_history(actor)
         try:
             prompt_ids, extended = history.prompt(tok, messages, tools, template_kwargs)
         except Exception as e:  # templates raise anything, jinja2 errors included
