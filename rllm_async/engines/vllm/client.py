@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -27,13 +27,31 @@ PauseMode = Literal["keep", "wait", "abort"]
 ABORTED = "abort"  # vLLM's finish_reason for a request a pause with mode=abort cut short
 
 
+# Given the URL of a server that failed as if dead, make it serve again and return its URL (the
+# same one when it is well), or raise `VLLMServerError` when it is gone for good.
+Recover = Callable[[str], Awaitable[str]]
+
+
+def _up() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
 @dataclass(slots=True)
 class _Server:
-    """One server and the requests this client has in flight on it."""
+    """One server, the requests this client has in flight on it, and its recovery, if any."""
 
     url: str
     in_flight: int = 0
     sent: int = 0
+    up: asyncio.Event = field(default_factory=_up)  # cleared while the server is recovered
+    recovery: asyncio.Task[None] | None = None
+    gone: VLLMServerError | None = None  # why it cannot serve again
+
+
+class _ServerDown(VLLMServerError):
+    """The server could not be reached, broke the connection, or failed (HTTP 5xx)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +73,11 @@ class VLLMPolicy:
     syncs with mode `wait` or `abort`). Connection failures, refusals (HTTP 4xx/5xx) and
     timeouts raise `VLLMServerError` naming the server. The servers are labelled with `version`
     on first use (`open()`), so every token's version is one of ours.
+
+    With `recover`, a server that fails as if dead (no connection, a broken one, HTTP 5xx) is
+    handed to it once at a time: the request that saw the failure still fails, and requests
+    meanwhile go to the other servers or wait for it; a server `recover` gives up on fails every
+    later request at once with its error.
     """
 
     def __init__(
@@ -68,6 +91,7 @@ class VLLMPolicy:
         read_timeout_s: float = 600.0,
         sync_timeout_s: float = 60.0,
         max_connections: int = 1024,
+        recover: Recover | None = None,
     ) -> None:
         if not urls:
             raise ValueError("VLLMPolicy needs at least one server URL")
@@ -92,6 +116,7 @@ class VLLMPolicy:
         self._serving = asyncio.Event()  # cleared while a weight sync runs
         self._serving.set()
         self._seeded_in_flight = 0
+        self._recover = recover
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -186,8 +211,34 @@ class VLLMPolicy:
         finish = "stop" if choice.finish_reason == "stop" else "length"
         return Completion(ids, logprobs, versions, finish)
 
+    async def settle(self) -> list[VLLMServerError]:
+        """Wait for the recoveries under way; why each server that cannot serve again is gone."""
+        await asyncio.gather(*(s.recovery for s in self._servers if s.recovery is not None))
+        return [s.gone for s in self._servers if s.gone is not None]
+
+    def _on_down(self, server: _Server) -> None:
+        """Start recovering `server`, unless that is under way or was given up."""
+        if self._recover is None or server.recovery is not None or server.gone is not None:
+            return
+        server.up.clear()
+        server.recovery = asyncio.create_task(self._restore(server, self._recover))
+
+    async def _restore(self, server: _Server, recover: Recover) -> None:
+        try:
+            server.url = (await recover(server.url)).rstrip("/")
+        except VLLMServerError as e:
+            server.gone = e
+        except Exception as e:  # a failed restart: the server stays out, with the cause
+            server.gone = VLLMServerError(f"the vLLM server at {server.url} failed: {e!r}")
+        finally:
+            server.recovery = None
+            server.up.set()
+
     async def _send(self, token_ids: list[int], sampling: dict[str, Any], *, seeded: bool) -> Any:
-        server = min(self._servers, key=lambda s: (s.in_flight, s.sent))
+        server = min(self._servers, key=lambda s: (not s.up.is_set(), s.in_flight, s.sent))
+        await server.up.wait()  # all servers are being recovered: wait for this one
+        if server.gone is not None:
+            raise VLLMServerError(str(server.gone))
         server.in_flight += 1
         server.sent += 1
         self._seeded_in_flight += seeded
@@ -293,6 +344,13 @@ class VLLMPolicy:
         sent on one as it closes is lost (every call here may be sent twice: generation is
         stateless, the control calls idempotent); a server that died then refuses the retry.
         """
+        try:
+            return await self._post_once(server, path, long=long, **kwargs)
+        except _ServerDown:
+            self._on_down(server)
+            raise
+
+    async def _post_once(self, server: _Server, path: str, *, long: bool, **kwargs: Any) -> Any:
         url = f"{server.url}{path}"
         timeout = httpx.USE_CLIENT_DEFAULT if long else self._sync_timeout
         try:
@@ -304,11 +362,11 @@ class VLLMPolicy:
                 except httpx.ConnectError:
                     raise e from None
         except httpx.ConnectError as e:
-            raise VLLMServerError(
+            raise _ServerDown(
                 f"cannot connect to the vLLM server at {server.url} ({e}): is it running?"
             ) from e
         except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
-            raise VLLMServerError(
+            raise _ServerDown(
                 f"the connection to the vLLM server at {server.url} broke during {path} "
                 f"({type(e).__name__}): did the server die?"
             ) from e
@@ -323,9 +381,8 @@ class VLLMPolicy:
         except httpx.HTTPError as e:
             raise VLLMServerError(f"{url} failed: {type(e).__name__}: {e}") from e
         if response.status_code >= 400:
-            raise VLLMServerError(
-                f"{url} answered HTTP {response.status_code}: {response.text[:2000]}"
-            )
+            error = _ServerDown if response.status_code >= 500 else VLLMServerError
+            raise error(f"{url} answered HTTP {response.status_code}: {response.text[:2000]}")
         return response.json() if response.content else None
 
 

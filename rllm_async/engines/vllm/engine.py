@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import shutil
 import tempfile
 from collections.abc import Coroutine, Mapping
@@ -19,12 +20,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rllm_async.backends.base import Tokenizer
-from rllm_async.engines.vllm.client import PauseMode, VLLMPolicy
+from rllm_async.engines.vllm.client import PauseMode, Recover, VLLMPolicy
 from rllm_async.engines.vllm.errors import VLLMServerError
 from rllm_async.engines.vllm.server import VLLMServer
 from rllm_async.engines.vllm.weights import write_weights
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
@@ -70,8 +72,12 @@ class VLLMEngine:
     """vLLM servers holding the learner's weights, and `policy`, the client that samples from them.
 
     Managed servers are started (and their first weights written) in the constructor, which blocks
-    until every one is healthy, so a server that cannot start fails the run before it begins.
+    until every one is healthy, so a server that cannot start fails the run before it begins. A
+    managed server that dies is restarted once (`MAX_RESTARTS`, over all servers), with the last
+    synced weights and version, before it serves again; a second death stops the run.
     """
+
+    MAX_RESTARTS = 1
 
     def __init__(
         self,
@@ -85,69 +91,125 @@ class VLLMEngine:
         mode: PauseMode,
     ) -> None:
         self.mode = mode
+        self.restarts = 0  # managed servers restarted after they died
+        self._back = 0  # restarted servers serving again
+        self._opts = opts
         self._checkpoint = checkpoint
+        self._tokenizer = tokenizer
+        self._max_seq_len = max_seq_len
+        self._run_dir = run_dir
         root = Path(opts.weights_dir) if opts.weights_dir else _default_weights_root(run_dir)
         root.mkdir(parents=True, exist_ok=True)
         self._dir = Path(tempfile.mkdtemp(prefix="rllm-vllm-", dir=root))
         self._servers: list[VLLMServer] = []
         try:
-            model_dir = self._write_model(state)
+            self._model_dir = self._write_model(state)
+            # What the servers hold: the weights a restarted server reloads, and their version.
+            self._loaded = (self._model_dir, 0)
             if opts.urls:
                 urls = list(opts.urls)
                 # The user's servers may hold other weights (no warm start, an older run): ours.
-                _run(_reload_once(self._client(opts, urls, tokenizer, max_seq_len), model_dir))
+                _run(_reload_once(self._client(urls), self._model_dir))
             else:
-                self._servers = [
-                    VLLMServer(
-                        model_dir,
-                        log_path=run_dir / f"vllm-{i}.log",
-                        python=Path(opts.python) if opts.python else None,
-                        dtype=opts.dtype,
-                        max_model_len=max_seq_len,
-                        kv_cache_gib=opts.kv_cache_gib,
-                        startup_timeout_s=opts.startup_timeout_s,
-                        enforce_eager=opts.enforce_eager,
-                        extra_args=opts.extra_args,
-                        env=_server_env(opts, i),
-                    )
-                    for i in range(opts.servers)
-                ]
+                self._servers = [self._server(i) for i in range(opts.servers)]
                 _run(_start_all(self._servers))
                 urls = [s.url for s in self._servers]
         except BaseException:
             self.stop()
             raise
-        self.policy = self._client(opts, urls, tokenizer, max_seq_len)
+        self.policy = self._client(urls, recover=self._restart if self._servers else None)
 
-    @staticmethod
-    def _client(
-        opts: VLLMOptions, urls: list[str], tokenizer: Tokenizer, max_seq_len: int
-    ) -> VLLMPolicy:
+    def _client(self, urls: list[str], recover: Recover | None = None) -> VLLMPolicy:
         return VLLMPolicy(
             urls,
-            tokenizer,
-            max_context_tokens=max_seq_len,
-            read_timeout_s=opts.read_timeout_s,
-            sync_timeout_s=opts.sync_timeout_s,
+            self._tokenizer,
+            max_context_tokens=self._max_seq_len,
+            read_timeout_s=self._opts.read_timeout_s,
+            sync_timeout_s=self._opts.sync_timeout_s,
+            recover=recover,
+        )
+
+    def _server(self, index: int) -> VLLMServer:
+        opts = self._opts
+        return VLLMServer(
+            self._model_dir,
+            log_path=self._run_dir / f"vllm-{index}.log",
+            python=Path(opts.python) if opts.python else None,
+            dtype=opts.dtype,
+            max_model_len=self._max_seq_len,
+            kv_cache_gib=opts.kv_cache_gib,
+            startup_timeout_s=opts.startup_timeout_s,
+            enforce_eager=opts.enforce_eager,
+            extra_args=opts.extra_args,
+            env=_server_env(opts, index),
         )
 
     def write(self, state: Mapping[str, torch.Tensor]) -> Path:
-        """Write weights (Hugging Face names) for the next sync; blocking, for a worker thread."""
-        return write_weights(state, self._dir / "sync", config=self._checkpoint / "config.json")
+        """Write weights (Hugging Face names) for the next sync; blocking, for a worker thread.
+
+        Two directories take turns, so the one the servers last loaded stays intact for a server
+        restarted before the next sync lands.
+        """
+        slot = "sync-b" if self._loaded[0].name == "sync-a" else "sync-a"
+        return write_weights(state, self._dir / slot, config=self._checkpoint / "config.json")
 
     async def load(self, path: Path, version: int) -> float:
-        """Reload every server from `path` as `version`; the seconds they were paused."""
+        """Reload every server from `path` as `version`; the seconds they were paused. A sync
+        that failed because a managed server died is done again once that server is back."""
+        back = self._back
         try:
-            return (await self.policy.update_weights(path, version, mode=self.mode)).seconds
+            sync = await self.policy.update_weights(path, version, mode=self.mode)
         except VLLMServerError as e:
-            # A dead engine core leaves its API server up for a few seconds, answering errors.
-            dead = [s for s in self._servers if not s.alive or not await s.healthy()]
-            if not dead:
-                raise
+            gone = await self.policy.settle()  # restarts under way, whatever noticed the death
+            if gone:
+                raise gone[0] from e
+            if self._back == back:
+                raise await self._explained(e) from e
+            sync = await self.policy.update_weights(path, version, mode=self.mode)
+        self._loaded = (Path(path), version)
+        return sync.seconds
+
+    async def _explained(self, error: VLLMServerError) -> VLLMServerError:
+        """`error`, naming the log of each managed server that no longer answers."""
+        # A dead engine core leaves its API server up for a few seconds, answering errors.
+        dead = [s for s in self._servers if not s.alive or not await s.healthy()]
+        if not dead:
+            return error
+        return VLLMServerError(
+            "; ".join(f"the vLLM server at {s.url} is gone, see {s.log_path}" for s in dead)
+            + f":\n{dead[0].log_tail()}"
+        )
+
+    async def _restart(self, url: str) -> str:
+        """`VLLMPolicy`'s recovery: the URL of a managed server that is well, or of the one that
+        replaces it (started, reloaded with the last synced weights and labelled with their
+        version before the client sends it anything)."""
+        [index] = [i for i, s in enumerate(self._servers) if s.url == url]
+        old = self._servers[index]
+        if old.alive and await old.healthy():
+            return url
+        if self.restarts >= self.MAX_RESTARTS:
             raise VLLMServerError(
-                "; ".join(f"the vLLM server at {s.url} is gone, see {s.log_path}" for s in dead)
-                + f":\n{dead[0].log_tail()}"
-            ) from e
+                f"the vLLM server at {url} died after {self.restarts} restart(s) "
+                f"(at most {self.MAX_RESTARTS}); see {old.log_path}:\n{old.log_tail()}"
+            )
+        self.restarts += 1
+        log.warning(
+            "the vLLM server at %s died; restarting it (restart %d of at most %d), see %s",
+            url,
+            self.restarts,
+            self.MAX_RESTARTS,
+            old.log_path,
+        )
+        await asyncio.to_thread(old.stop)
+        new = self._servers[index] = self._server(index)  # stop() reaches it from now on
+        await new.start()
+        path, version = self._loaded
+        async with self._client([new.url]) as client:
+            await client.update_weights(path, version, mode="wait")
+        self._back += 1
+        log.warning("the vLLM server %s is back at %s with version %d", index, new.url, version)
+        return new.url
 
     def _write_model(self, state: Mapping[str, torch.Tensor]) -> Path:
         """A checkpoint directory of `state` with the source checkpoint's tokenizer files."""

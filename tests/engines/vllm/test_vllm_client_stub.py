@@ -1,5 +1,6 @@
-"""The vLLM client and engine against a scripted HTTP server: a weight sync whose prefix-cache
-reset fails, a server that never answers, and the engine's timeout options."""
+"""The vLLM client and engine against scripted HTTP servers: a weight sync whose prefix-cache
+reset fails, a server that never answers, the engine's timeout options, and a dead server's
+recovery."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ ANSWER = {
     ]
 }
 HANG = object()  # a route that accepts the request and never answers
+DROP = object()  # a route that closes the connection unanswered, as a dying server does
 
 Route = Callable[[str], Any]  # query string -> JSON answer, HANG, or an awaitable of either
 
@@ -75,6 +77,8 @@ async def server(route: Route) -> AsyncIterator[tuple[str, list[str]]]:
                     answer = await answer
                 if answer is HANG:
                     await asyncio.Event().wait()
+                if answer is DROP:
+                    return
                 body = json.dumps(answer).encode()
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
@@ -231,5 +235,56 @@ def test_the_engine_gives_its_client_the_timeouts(tmp_path: Path) -> None:
             finally:
                 await engine.policy.close()
                 engine.stop()
+
+    asyncio.run(go())
+
+
+def test_a_dead_server_is_recovered_and_requests_meanwhile_wait_for_it() -> None:
+    """The request that finds the server dead fails (to be retried as any failed rollout); one
+    sent during the recovery waits, then goes to the URL the recovery gave."""
+    calls: list[str] = []
+
+    async def go() -> None:
+        async with (
+            server(answers(generate=DROP)) as (dead, _),
+            server(answers()) as (replacement, seen),
+        ):
+
+            async def recover(url: str) -> str:
+                calls.append(url)
+                await asyncio.sleep(0.3)
+                return replacement
+
+            async with VLLMPolicy(
+                [dead], CharTokenizer(), max_context_tokens=64, recover=recover
+            ) as policy:
+                params = SamplingParams(max_tokens=4)
+                with pytest.raises(VLLMServerError, match=rf"connection to .*{dead} broke"):
+                    await policy.generate([1, 2], params)
+                out = await asyncio.wait_for(policy.generate([1, 2], params), 5)
+                assert out.ids == [7, 8] and seen.count("/inference/v1/generate") == 1
+                assert calls == [dead] and policy.urls == [replacement]
+                assert await policy.settle() == []
+
+    asyncio.run(go())
+
+
+def test_a_server_its_recovery_gives_up_on_fails_every_later_request_at_once() -> None:
+    async def go() -> None:
+        async with server(answers(generate=DROP)) as (dead, _):
+
+            async def recover(url: str) -> str:
+                raise VLLMServerError(f"the vLLM server at {url} died after 1 restart(s)")
+
+            async with VLLMPolicy(
+                [dead], CharTokenizer(), max_context_tokens=64, recover=recover
+            ) as policy:
+                params = SamplingParams(max_tokens=4)
+                with pytest.raises(VLLMServerError, match="broke"):
+                    await policy.generate([1, 2], params)
+                [gone] = await policy.settle()
+                assert "died after 1 restart" in str(gone)
+                with pytest.raises(VLLMServerError, match="died after 1 restart"):
+                    await asyncio.wait_for(policy.generate([1, 2], params), 1)
 
     asyncio.run(go())

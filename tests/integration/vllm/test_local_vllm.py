@@ -55,16 +55,15 @@ def write_config(tmp_path: Path, model: Path, mode: str, steps: int) -> Path:
     return path
 
 
-def train(config: Path, **kwargs: Any) -> subprocess.Popen[str]:
+def train(config: Path, stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # the test task module
     return subprocess.Popen(
         [str(RLLM), "train", str(config)],
         cwd=REPO,
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
-        **kwargs,
     )
 
 
@@ -110,32 +109,62 @@ def comm(pid: int) -> str:
         return ""
 
 
-@pytest.mark.parametrize("victim", ["api_server", "engine_core"])
-def test_a_server_killed_mid_run_stops_the_run_with_a_clear_error(
-    tiny_qwen: Path, tmp_path: Path, victim: str
+def server_processes(run_dir: Path) -> tuple[int, int]:
+    """The API server (its process group's leader) and the engine core of the run's server."""
+    pids = processes_in(run_dir)
+    [leader] = [pid for pid in pids if os.getpgid(pid) == pid]
+    [core] = [pid for pid in pids if comm(pid).startswith("VLLM::EngineCor")]
+    return leader, core
+
+
+def wait_for(check: Any, proc: subprocess.Popen[str], output: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert proc.poll() is None and time.monotonic() < deadline, output.read_text()
+        time.sleep(0.5)
+
+
+def test_a_dead_server_is_restarted_once_and_a_second_death_stops_the_run(
+    tiny_qwen: Path, tmp_path: Path
 ) -> None:
-    """One process of the server dies: the API server (its process group's leader, whose engine
-    core then runs on, orphaned) or the engine core (the API server then answers errors for a few
-    seconds before it exits). Either way the run stops within seconds with an error naming the
-    server, and no process of the server is left."""
-    proc = train(write_config(tmp_path, tiny_qwen, "async", steps=1000))
+    """The API server killed alone (its engine core runs on, orphaned): the server is replaced,
+    reloaded with the weights and version of the last sync, and training goes on (the rollouts
+    that were in flight fail and are retried), with no process of the dead server left. Then
+    the new server's engine core killed alone (its API server answers errors for a few seconds
+    before it exits): a second death stops the run within seconds, naming the server, with no
+    process left."""
+    output = tmp_path / "output.txt"
+    with output.open("w") as out:
+        proc = train(write_config(tmp_path, tiny_qwen, "async", steps=1000), stdout=out)
     run_dir = (tmp_path / "runs" / "vllm-async").resolve()
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not (metrics.is_file() and metrics.read_text()):  # training has begun
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
-        time.sleep(0.5)
-    server = processes_in(run_dir)
-    [leader] = [pid for pid in server if os.getpgid(pid) == pid]
-    [core] = [pid for pid in server if comm(pid).startswith("VLLM::EngineCor")]
-    killed_at = time.monotonic()
-    os.kill(leader if victim == "api_server" else core, signal.SIGKILL)
-    out, _ = proc.communicate(timeout=60)
+
+    def steps() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+
+    try:
+        wait_for(lambda: steps() > 0, proc, output, 180)  # training has begun
+        leader, core = server_processes(run_dir)
+        os.kill(leader, signal.SIGKILL)
+        wait_for(lambda: "is back at" in output.read_text(), proc, output, 120)
+        before = steps()
+        wait_for(lambda: steps() >= before + 2, proc, output, 120)  # training goes on
+        text = output.read_text()
+        assert "died; restarting it (restart 1 of at most 1)" in text, text
+        new_leader, new_core = server_processes(run_dir)  # the dead server's core is gone
+        assert new_leader != leader and new_core != core
+        killed_at = time.monotonic()
+        os.kill(new_core, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     took = time.monotonic() - killed_at
-    assert proc.returncode == 1, out
+    text = output.read_text()
+    assert proc.returncode == 1, text
     # Through the rollouts (the breaker) or the next weight sync, whichever notices first.
-    assert "rllm-async: the run stopped:" in out and "127.0.0.1" in out, out
-    assert "Traceback" not in out, out
+    assert "rllm-async: the run stopped:" in text and "127.0.0.1" in text, text
+    assert "Traceback" not in text, text
     assert took < 30, f"the run took {took:.0f}s to stop"
     assert processes_in(run_dir) == [], "no process of the server is left"
 
