@@ -16,7 +16,7 @@ import functools
 import json
 import random
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -229,10 +229,15 @@ def write_workload(workload: Workload, path: Path) -> Path:
     """Write `workload` as JSON lines at `path`."""
     w = workload
     lines = [json.dumps({"kind": "meta", **w.meta, "rollouts_seen": w.rollouts_seen})]
-    lines += [json.dumps({"kind": "rollout", **asdict(r)}) for r in w.rollouts]
-    lines += [json.dumps({"kind": "step", **asdict(s)}) for s in w.steps]
+    lines += [json.dumps({"kind": "rollout", **_row(r)}) for r in w.rollouts]
+    lines += [json.dumps({"kind": "step", **_row(s)}) for s in w.steps]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _row(row: RolloutRow | StepRow) -> dict[str, Any]:
+    """A row's fields (not `dataclasses.asdict`, which deep-copies every list on the way)."""
+    return {f.name: getattr(row, f.name) for f in fields(row)}
 
 
 def read_workload(path: Path) -> Workload:
