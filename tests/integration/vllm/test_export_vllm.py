@@ -22,7 +22,8 @@ from rllm_async.engines.vllm.server import SERVED_NAME
 from tests.test_export import our_model, trained_run
 
 CONTEXT = 64  # the runs' backend.max_seq_len, which the export declares as its context
-TOLERANCE = 1e-3  # float32 serving against a float32 forward (tests/integration/vllm/test_generate.py)
+# Float32 serving against a float32 forward (tests/integration/vllm/test_generate.py).
+TOLERANCE = 1e-3
 CHAT = [{"role": "user", "content": "2+3?"}]
 
 
