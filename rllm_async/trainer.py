@@ -3,7 +3,8 @@
 `UnifiedTrainer` holds what outlives one fit; `_Fit` is one `fit()`: its state and the training
 loop, read top to bottom, beside the generation loop (`generation.py`). Everything they compose
 (evaluation, checkpoints, health guards, the step record, the rollout runner) lives in modules of
-its own. The file runs past 400 lines so that the training loop reads in one place.
+its own, and `UnifiedTrainer._set_up` builds it all in one place as a fit starts. The file runs
+past 400 lines so that the training loop reads in one place.
 """
 
 from __future__ import annotations
