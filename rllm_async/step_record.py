@@ -215,6 +215,12 @@ class StepRecord:
         self.add({"time/elapsed_s": now - self.fit_start})
         self.flush(step)
 
+    def flush_evaluations(self, evaluations: list[dict[str, float]], step: int, now: float) -> None:
+        """One more record of `step` for each evaluation that finished after its record."""
+        for evaluation in evaluations:
+            self.add(evaluation, EVALUATION)
+            self.flush_extra(step, now)
+
     def next_step(self, now: float, counts: dict[str, int] | None = None) -> None:
         """The next step starts `now`; `counts`: the coordinator's counts to count changes from."""
         self.step_start = now

@@ -346,12 +346,8 @@ class _Fit:
         else:
             coord.advance(version)
         self.workload.step(version, loop.time(), optim_s, sync_s)
-        return {
-            **metrics,
-            "time/optim_step_s": optim_s,
-            "time/sync_s": sync_s,
-            "time/sync_overhead_s": sync_s - hook_s,
-        }
+        sync = {"time/sync_s": sync_s, "time/sync_overhead_s": sync_s - hook_s}
+        return {**metrics, "time/optim_step_s": optim_s, **sync}
 
     async def _forward_backward(self, micro: list[ReadyGroup]) -> dict[str, float]:
         """Accumulate the gradients of `micro`; the backend's metrics and the seconds it took."""
@@ -399,9 +395,7 @@ class _Fit:
         self.recorded = step
         for cb in self.callbacks:
             cb.on_step_end(step, flushed)
-        for later in finished[1:]:  # evaluations that finished together: a record of the step each
-            record.add(later, EVALUATION)
-            record.flush_extra(step, loop.time())
+        record.flush_evaluations(finished[1:], step, loop.time())  # those that finished together
         ck = cfg.checkpoint
         if (ck.every_steps and step % ck.every_steps == 0) or (last and ck.at_end):
             await self._save_checkpoint()
@@ -417,14 +411,11 @@ class _Fit:
             await coord.update_policy(version)
         groups_ended = self._count_groups(coord.snapshot())
         finished = await self.evals.collect(wait=True)
-        for evaluation in finished:
-            record.add(evaluation, EVALUATION)
-            record.flush_extra(version, loop.time())
+        record.flush_evaluations(finished, version, loop.time())
         if groups_ended and not finished:
             record.flush_extra(version, loop.time())
         if cfg.eval.at_end and self.evals.enabled and self.evals.evaluated_version != version:
-            record.add(await self.evals.evaluate(), EVALUATION)
-            record.flush_extra(version, loop.time())
+            record.flush_evaluations([await self.evals.evaluate()], version, loop.time())
         if cfg.checkpoint.at_end and self.checkpointed != version:
             await self._save_checkpoint()
 

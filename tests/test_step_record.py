@@ -150,3 +150,14 @@ def test_the_record_of_a_config_writes_the_sinks_its_logging_asks(tmp_path: Path
     record.close()
     lines = (config.run_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [{"step": 1, "tokens/wasted": 2}]
+
+
+def test_evaluations_that_finish_late_are_one_more_record_of_the_step_each() -> None:
+    records: list[dict[str, float]] = []
+    record = _record(records, now=0.0)
+    record.flush(3)
+    record.flush_evaluations([{"eval/n": 2.0}, {"eval/n": 5.0}], 3, now=2.0)
+    assert records[1:] == [
+        {"step": 3, "eval/n": 2.0, "time/elapsed_s": 2.0},
+        {"step": 3, "eval/n": 5.0, "time/elapsed_s": 2.0},
+    ]
