@@ -37,7 +37,7 @@ needs_sdk = pytest.mark.skipif(
     tinker is None, reason="the tinker SDK is not installed: pip install 'rllm-async[tinker]'"
 )
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / ".tinker-server" / "model"
+MODEL_DIR = Path(__file__).resolve().parents[3] / ".tinker-server" / "model"
 
 
 def tinker_config(**backend: object) -> dict:
@@ -473,7 +473,7 @@ def test_learning_rate_schedule() -> None:
 
 # -- the example configs -----------------------------------------------------------------------
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "countdown"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "countdown"
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

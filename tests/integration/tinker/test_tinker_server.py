@@ -35,7 +35,7 @@ pytestmark = [
     ),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
