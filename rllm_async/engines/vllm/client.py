@@ -10,6 +10,7 @@ into every server (`update_weights`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ class _Server:
     up: asyncio.Event = field(default_factory=_up)  # cleared while the server is recovered
     recovery: asyncio.Task[None] | None = None
     gone: VLLMServerError | None = None  # why it cannot serve again
+    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set with `gone`
 
 
 class _ServerDown(VLLMServerError):
@@ -233,6 +235,8 @@ class VLLMPolicy:
         finally:
             server.recovery = None
             server.up.set()
+            if server.gone is not None:
+                server.lost.set()
 
     async def _send(self, token_ids: list[int], sampling: dict[str, Any], *, seeded: bool) -> Any:
         server = min(self._servers, key=lambda s: (not s.up.is_set(), s.in_flight, s.sent))
@@ -344,8 +348,24 @@ class VLLMPolicy:
         sent on one as it closes is lost (every call here may be sent twice: generation is
         stateless, the control calls idempotent); a server that died then refuses the retry.
         """
-        try:
+        if self._recover is None:
             return await self._post_once(server, path, long=long, **kwargs)
+        # A server given up on may hang rather than refuse (vLLM's API server can stall while
+        # it shuts down): its calls in flight then fail at once instead of after their timeout.
+        call = asyncio.ensure_future(self._post_once(server, path, long=long, **kwargs))
+        lost = asyncio.ensure_future(server.lost.wait())
+        try:
+            await asyncio.wait((call, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not call.done():
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError, VLLMServerError):
+                    await call
+        if call.cancelled():
+            raise VLLMServerError(str(server.gone))
+        try:
+            return call.result()
         except _ServerDown:
             self._on_down(server)
             raise

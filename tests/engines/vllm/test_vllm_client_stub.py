@@ -288,3 +288,29 @@ def test_a_server_its_recovery_gives_up_on_fails_every_later_request_at_once() -
                     await asyncio.wait_for(policy.generate([1, 2], params), 1)
 
     asyncio.run(go())
+
+
+def test_calls_in_flight_on_a_server_given_up_on_fail_at_once() -> None:
+    """A server that hangs one request and breaks the next: once its recovery gives up, the
+    hanging request fails with the recovery's error instead of waiting for its timeout."""
+    script = iter([HANG, DROP, DROP])
+
+    async def go() -> None:
+        async with server(answers(generate=lambda _: next(script))) as (url, _):
+
+            async def recover(url: str) -> str:
+                raise VLLMServerError(f"the vLLM server at {url} died after 1 restart(s)")
+
+            async with VLLMPolicy(
+                [url], CharTokenizer(), max_context_tokens=64, recover=recover
+            ) as policy:
+                params = SamplingParams(max_tokens=4)
+                hanging = asyncio.create_task(policy.generate([1, 2], params))
+                await asyncio.sleep(0.2)
+                with pytest.raises(VLLMServerError, match="broke"):
+                    await policy.generate([1, 2], params)
+                with pytest.raises(VLLMServerError, match="died after 1 restart"):
+                    await asyncio.wait_for(hanging, 2)
+                assert policy.in_flight() == {url: 0}
+
+    asyncio.run(go())

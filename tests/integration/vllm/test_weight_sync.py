@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from served import CONTEXT, Reference, hf_logprobs, max_gap, wait_generating
 
-from rllm_async.backends.base import SamplingParams
+from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.config import CoordinatorConfig
 from rllm_async.coordinator import SyncCoordinator
@@ -84,16 +84,17 @@ def test_a_sync_during_requests_labels_every_token_with_its_version(
     policy: VLLMPolicy, weights: dict[str, Path], mode: str
 ) -> None:
     """Old tokens, then new ones, in every completion, each sampled by the weights its version
-    names: in completions that span the sync, the logprobs of the tokens labelled old are the old
-    weights' and those labelled new the new weights' (both at TOLERANCE; the weights differ by
-    far more). With `keep`, requests running at the pause go on under the new weights (their
+    names: the logprobs of the tokens labelled old are the old weights' and those labelled new
+    the new weights' (at TOLERANCE; the weights differ by far more), in completions that span the
+    sync and in the longest that do not. With `keep`, requests running at the pause go on under the new weights (their
     context recomputed), so some completions span both versions. With `abort`,
     vLLM 0.32 returns a cut request with the tokens it had or, in some runs, with none (then it
     starts again from its prompt), and the engine may finish requests before the pause reaches
     it, so spans over both versions are not asserted there."""
     prompt = prompt_of(policy)
+    models = {0: Reference(weights["old"]), 1: Reference(weights["new"])}
 
-    async def go() -> None:
+    async def attempt() -> tuple[list[Completion], int]:
         await policy.generate(prompt, GREEDY)  # warm: the requests below start at once
         sent = sum(policy.requests_sent().values())
         # Many long requests (the random model ends some early, at its end-of-turn token): more
@@ -104,31 +105,47 @@ def test_a_sync_during_requests_labels_every_token_with_its_version(
         sync = await policy.update_weights(weights["new"], 1, mode=mode)  # type: ignore[arg-type]
         assert sync.mode == mode
         outs = await asyncio.gather(*running)
-        for out in outs:
-            assert set(out.versions) <= {0, 1}
-            assert out.versions == sorted(out.versions)  # old tokens, then new ones
-            assert len(out.ids) == len(out.logprobs) == len(out.versions)
-            assert out.finish_reason == "stop" or len(out.ids) == LONG.max_tokens
-        resent = sum(policy.requests_sent().values()) - sent - len(running)
-        spans = [(out.versions.count(0), out.versions.count(1)) for out in outs]
+        return outs, sum(policy.requests_sent().values()) - sent - len(running)
+
+    def check_versions(outs: list[Completion]) -> None:
+        """Each token's logprob is that of the weights its version names, in the completions
+        that span the sync and in the longest ones that do not (a forward pass each)."""
         split = [out for out in outs if set(out.versions) == {0, 1}]
-        old_model, new_model = Reference(weights["old"]), Reference(weights["new"])
-        for out in split[:8]:  # a forward pass each: enough to catch a mislabelled span
-            cut = out.versions.index(1)
-            old_lp = old_model.logprobs(prompt, out.ids)
-            new_lp = new_model.logprobs(prompt, out.ids)
-            assert max_gap(out.logprobs[:cut], old_lp[:cut]) < TOLERANCE, (cut, len(out.ids))
-            assert max_gap(out.logprobs[cut:], new_lp[cut:]) < TOLERANCE, (cut, len(out.ids))
-            assert max_gap(old_lp, new_lp) > 100 * TOLERANCE  # the check can tell them apart
-        if mode == "keep":
-            assert resent == 0
-            assert any(old and new for old, new in spans), spans
-        else:
-            # A request sent again was cut by the pause: all it sampled afterwards is new.
-            cut = sum(1 for old, new in spans if new)
-            assert resent <= cut, (resent, spans)
+        whole = sorted((out for out in outs if len(set(out.versions)) == 1), key=len_of)
+        for out in split[:6] + whole[-2:]:
+            by_version = {v: m.logprobs(prompt, out.ids) for v, m in models.items()}
+            expected = [by_version[v][i] for i, v in enumerate(out.versions)]
+            assert max_gap(out.logprobs, expected) < TOLERANCE, out.versions
+            assert max_gap(by_version[0], by_version[1]) > 100 * TOLERANCE  # told apart
+
+    async def go() -> None:
+        for tries in (1, 2):
+            outs, resent = await attempt()
+            for out in outs:
+                assert set(out.versions) <= {0, 1}
+                assert out.versions == sorted(out.versions)  # old tokens, then new ones
+                assert len(out.ids) == len(out.logprobs) == len(out.versions)
+                assert out.finish_reason == "stop" or len(out.ids) == LONG.max_tokens
+            check_versions(outs)
+            spans = [(out.versions.count(0), out.versions.count(1)) for out in outs]
+            if mode == "keep" and not any(old and new for old, new in spans) and tries == 1:
+                # On a loaded machine the pause reached the engine after every request ended.
+                await policy.update_weights(weights["old"], 0, mode="wait")
+                continue
+            if mode == "keep":
+                assert resent == 0
+                assert any(old and new for old, new in spans), spans
+            else:
+                # A request sent again was cut by the pause: all it sampled afterwards is new.
+                cut = sum(1 for old, new in spans if new)
+                assert resent <= cut, (resent, spans)
+            return
 
     asyncio.run(go())
+
+
+def len_of(out: Completion) -> int:
+    return len(out.ids)
 
 
 def test_a_keep_sync_with_seeded_requests_in_flight_waits_instead(
