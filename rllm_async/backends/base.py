@@ -32,6 +32,10 @@ class SamplingParams:
     # Where a backend queues requests (the local sampler), a higher value ranks as a later
     # arrival; evaluations running beside training use 1, so that rollouts go first for a while.
     priority: int = 0
+    # A decoding constraint in vLLM's structured-outputs vocabulary, as JSON text
+    # (`{"json": schema}`, `{"json_object": true}`); only a policy whose `constrains_decoding` is
+    # true samples with one (the gateway's `response_format` on the vLLM engine).
+    structured: str | None = None
 
     def updated(self, **changes: Any) -> SamplingParams:
         """A copy with `changes` applied (a hot path: cheaper than dataclasses.replace)."""
@@ -48,10 +52,13 @@ class SamplingParams:
             tuple(get("stop", self.stop)),
             get("seed", self.seed),
             get("priority", self.priority),
+            get("structured", self.structured),
         )
 
 
-_SAMPLING_FIELDS = frozenset(("temperature", "top_p", "max_tokens", "stop", "seed", "priority"))
+_SAMPLING_FIELDS = frozenset(
+    ("temperature", "top_p", "max_tokens", "stop", "seed", "priority", "structured")
+)
 
 
 @dataclass(slots=True)

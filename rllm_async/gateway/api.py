@@ -17,8 +17,9 @@ from starlette.responses import Response
 from rllm_async.backends.base import PolicyClient
 from rllm_async.gateway.conversation import keep_first_call
 from rllm_async.gateway.errors import APIError, ErrorShape, error_response, invalid
-from rllm_async.gateway.protocol import SamplingFields
+from rllm_async.gateway.protocol import ResponseFormat, SamplingFields
 from rllm_async.gateway.sessions import Session, SessionStore
+from rllm_async.gateway.structured import constraint
 from rllm_async.rollout import ChatTemplateError, ChatTurn, ContextLengthError, RolloutContext
 from rllm_async.types import Step
 
@@ -176,7 +177,15 @@ class API:
             out["stop"] = req.stops
         if req.seed is not None:
             out["seed"] = (req.seed + index) % (2**63)
+        out.update(self.structured(getattr(req, "response_format", None)))
         return out
+
+    def structured(self, fmt: ResponseFormat | None) -> dict[str, Any]:
+        """The decoding constraint of `fmt`, where the policy's engine can enforce one."""
+        rule = constraint(fmt)
+        if rule is None or not getattr(self.gw.policy, "constrains_decoding", False):
+            return {}
+        return {"structured": rule}
 
     def temperature_top_p(self, req: TemperatureTopP, session: Session | None) -> dict[str, Any]:
         """The request's temperature and top_p; a locked session refuses values other than its own."""

@@ -119,14 +119,16 @@ def _chunks(req: ChatCompletionRequest, body: dict[str, Any]) -> list[dict[str, 
 
 
 def check_format(fmt: ResponseFormat | None, turns: list[ChatTurn]) -> dict[str, str]:
-    """Check each reply against `response_format` (not enforced while sampling): the verdict goes
-    into the recorded step's info and the `X-Response-Format` header (`valid` or `invalid`)."""
+    """Check each reply against `response_format` (enforced while sampling where the engine can):
+    the verdict goes into the recorded step's info and the `X-Response-Format` header (`valid` or
+    `invalid`)."""
     if fmt is None or fmt.type == "text":
         return {}
     verdicts = []
     for turn in turns:
         error = format_error(fmt, turn.message.get("content"))
-        turn.step.info["response_format"] = {"type": fmt.type, "error": error}
+        enforced = "structured" in turn.step.info
+        turn.step.info["response_format"] = {"type": fmt.type, "error": error, "enforced": enforced}
         verdicts.append("valid" if error is None else "invalid")
     return {"X-Response-Format": ",".join(verdicts)}
 

@@ -62,6 +62,7 @@ async def responses(api: API, request: Request) -> HTTPResponse:
     sampling = api.temperature_top_p(req, session)
     if req.max_output_tokens is not None:
         sampling["max_tokens"] = req.max_output_tokens
+    sampling.update(api.structured(req.response_format))
     turn = await api.chat_turn(
         request,
         session,

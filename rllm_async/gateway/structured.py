@@ -1,5 +1,6 @@
-"""`response_format` checks: the policy's samplers cannot constrain decoding to JSON today, so the
-gateway checks each reply against the requested format and says what it found (never repairs it)."""
+"""`response_format`: enforced while sampling where the policy's engine constrains decoding (the
+vLLM engine's structured outputs), and every reply checked against it, the gateway saying what it
+found (never repairing it)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,15 @@ import json
 import jsonschema
 
 from rllm_async.gateway.protocol import ResponseFormat
+
+
+def constraint(fmt: ResponseFormat | None) -> str | None:
+    """`fmt` as a decoding constraint (`SamplingParams.structured`), None for plain text."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        return json.dumps({"json_object": True})
+    return json.dumps({"json": fmt.json_schema.schema_})
 
 
 def format_error(fmt: ResponseFormat, content: str | None) -> str | None:

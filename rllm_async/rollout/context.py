@@ -171,6 +171,11 @@ class RolloutContext:
                 "shorten the conversation or raise the backend's context (backend.max_seq_len)"
             )
         params = self.sampling.updated(**sampling)
+        if params.structured is not None and not getattr(self.policy, "constrains_decoding", False):
+            raise ValueError(
+                "a decoding constraint (structured) was given but this policy's engine cannot "
+                "constrain decoding (the vLLM engine can): check the reply after sampling instead"
+            )
         waiting = self._wait_unpaused()
         if not (isinstance(waiting, asyncio.Future) and waiting.done()):
             await self._wait_out_sync(waiting)
@@ -186,6 +191,8 @@ class RolloutContext:
             messages=copy.deepcopy(messages) if messages is not None else None,
             info={"finish_reason": out.finish_reason},
         )
+        if params.structured is not None:
+            step.info["structured"] = params.structured  # the tokens were sampled under it
         self.trajectory(actor).steps.append(step)
         return out, step
 

@@ -218,6 +218,59 @@ def test_response_format_is_checked_and_the_verdict_reported() -> None:
     asyncio.run(go())
 
 
+class ConstrainingPolicy(ScriptedPolicy):
+    """A scripted policy whose engine says it constrains decoding: it keeps each call's constraint."""
+
+    constrains_decoding = True
+
+    def __init__(self, reply: str) -> None:
+        super().__init__(lambda p: reply)
+        self.constraints: list[str | None] = []
+
+    async def generate(self, prompt_ids, params, *, version=None):  # type: ignore[no-untyped-def]
+        self.constraints.append(params.structured)
+        return await super().generate(prompt_ids, params, version=version)
+
+
+def test_response_format_is_sent_to_an_engine_that_constrains_decoding() -> None:
+    policy = ConstrainingPolicy('{"answer": 42}')
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+    text_format = {"format": {"type": "json_schema", "name": "out", "schema": schema}}
+
+    async def go() -> None:
+        async with serving(policy) as gateway:
+            session = gateway.session(context(policy))
+            base = f"/sessions/{session.id}/v1"
+            for path, body in (
+                ("/chat/completions", {**CHAT, "response_format": fmt}),
+                ("/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}),
+                ("/chat/completions", CHAT),
+                ("/responses", {"model": CHAT["model"], "input": "hi", "text": text_format}),
+            ):
+                r = await post(gateway, base + path, body)
+                assert r.status_code == 200, r.text
+            steps = session.ctx.trajectory().steps
+            assert policy.constraints == [
+                json.dumps({"json": schema}),
+                json.dumps({"json_object": True}),
+                None,
+                json.dumps({"json": schema}),
+            ]
+            infos = [s.info.get("response_format") for s in steps]
+            assert [i and i["enforced"] for i in infos] == [True, True, None, True]
+            assert steps[0].info["structured"] == json.dumps({"json": schema})
+
+    asyncio.run(go())
+
+
+def test_a_constraint_is_refused_where_the_engine_cannot_enforce_it() -> None:
+    policy = ScriptedPolicy(lambda p: "{}")
+    ctx = context(policy)
+    with pytest.raises(ValueError, match="cannot constrain decoding"):
+        asyncio.run(ctx.generate([1, 2], structured=json.dumps({"json_object": True})))
+
+
 ACCEPTED: list[dict[str, Any]] = [
     {"stream_options": {"include_usage": True, "include_obfuscation": True}, "stream": True},
     {"prompt_cache_key": "k", "prompt_cache_retention": "24h", "safety_identifier": "u1"},
