@@ -131,7 +131,7 @@ class JSONSchemaFormat(StrictModel):
 
 
 class ResponseFormat(StrictModel):
-    """`response_format`: not enforced while sampling; the reply is checked (docs/gateway.md)."""
+    """`response_format`: enforced where the engine constrains decoding, always checked."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None

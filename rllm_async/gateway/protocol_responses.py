@@ -110,7 +110,7 @@ class FunctionToolChoice(StrictModel):
 
 
 class TextFormat(StrictModel):
-    """`text.format`: checked like chat's `response_format`, not enforced."""
+    """`text.format`: chat's `response_format` (enforced on the vLLM engine, always checked)."""
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")

@@ -138,5 +138,9 @@ def test_training_an_openai_agents_agent_through_the_gateway(tmp_path: Path) -> 
     for episode in workflow.episodes:
         steps = episode.trajectories[0].steps
         # the typed output, as both models ask for it: checked JSON on the answering call
-        assert steps[-1].info["response_format"] == {"type": "json_schema", "error": None, "enforced": False}
+        assert steps[-1].info["response_format"] == {
+            "type": "json_schema",
+            "error": None,
+            "enforced": False,
+        }
         assert all(len(s.logprobs) == len(s.versions) == len(s.completion_ids) for s in steps)

@@ -37,7 +37,11 @@ def test_openai_agents_chat_completions_model_with_tools_and_output_type() -> No
     result, steps = asyncio.run(run_in_session(agent))
     assert result == Answer(answer=42)
     assert len(steps) == 2 and steps[1].info["extended"]
-    assert steps[1].info["response_format"] == {"type": "json_schema", "error": None, "enforced": False}
+    assert steps[1].info["response_format"] == {
+        "type": "json_schema",
+        "error": None,
+        "enforced": False,
+    }
 
 
 def test_langgraph_react_agent_and_structured_output() -> None:

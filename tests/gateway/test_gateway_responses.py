@@ -250,4 +250,8 @@ def test_openai_agents_default_responses_model_runs_a_tool_loop() -> None:
     result, steps = asyncio.run(go())
     assert result == Answer(answer=42)
     assert len(steps) == 4 and steps[1].info["extended"] and steps[3].info["extended"]
-    assert steps[1].info["response_format"] == {"type": "json_schema", "error": None, "enforced": False}
+    assert steps[1].info["response_format"] == {
+        "type": "json_schema",
+        "error": None,
+        "enforced": False,
+    }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -80,7 +81,13 @@ class VLLMPolicy:
     handed to it once at a time: the request that saw the failure still fails, and requests
     meanwhile go to the other servers or wait for it; a server `recover` gives up on fails every
     later request at once with its error.
+
+    `SamplingParams.structured` goes to vLLM's structured outputs: the grammar masks the logits
+    before sampling, so the logprobs returned are those of the constrained distribution the
+    tokens were drawn from.
     """
+
+    constrains_decoding = True
 
     def __init__(
         self,
@@ -208,6 +215,9 @@ class VLLMPolicy:
             versions += choice.versions
             if choice.finish_reason != ABORTED or len(ids) >= limit:
                 break
+            if params.structured is not None:
+                # vLLM would start the grammar afresh after the tokens sent: start the reply over.
+                ids, logprobs, versions = [], [], []
         if version is not None and any(v != version for v in versions):
             raise RuntimeError(_pin_error(version, max(versions)))
         finish = "stop" if choice.finish_reason == "stop" else "length"
@@ -432,6 +442,8 @@ def _sampling(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
         out["stop"] = list(params.stop)
     if params.seed is not None:
         out["seed"] = params.seed
+    if params.structured is not None:
+        out["structured_outputs"] = json.loads(params.structured)
     return out
 
 

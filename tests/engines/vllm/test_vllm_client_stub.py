@@ -52,9 +52,11 @@ def answers(**overrides: Any) -> Route:
 
 
 @asynccontextmanager
-async def server(route: Route) -> AsyncIterator[tuple[str, list[str]]]:
+async def server(
+    route: Route, bodies: list[Any] | None = None
+) -> AsyncIterator[tuple[str, list[str]]]:
     """An HTTP/1.1 server on 127.0.0.1 answering each POST by `route`; yields its URL and the
-    paths (with query strings) it was sent, in order."""
+    paths (with query strings) it was sent, in order; the JSON bodies go to `bodies`."""
     seen: list[str] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -70,8 +72,10 @@ async def server(route: Route) -> AsyncIterator[tuple[str, list[str]]]:
                     ),
                     0,
                 )
-                await reader.readexactly(length)
+                raw = await reader.readexactly(length)
                 seen.append(target)
+                if bodies is not None and raw:
+                    bodies.append(json.loads(raw))
                 answer = route(target)
                 if asyncio.iscoroutine(answer):
                     answer = await answer
@@ -314,3 +318,35 @@ def test_calls_in_flight_on_a_server_given_up_on_fail_at_once() -> None:
                 assert policy.in_flight() == {url: 0}
 
     asyncio.run(go())
+
+
+def test_a_constrained_request_cut_short_by_a_sync_starts_its_reply_over() -> None:
+    """vLLM would start the grammar afresh after the tokens sent again: the client sends the
+    prompt alone, and keeps none of the cut reply's tokens."""
+    cut = {
+        "choices": [
+            {
+                "token_ids": [5, 6, 5],
+                "logprobs": {"content": [{"logprob": -1.0}] * 3},
+                "weight_versions": [{"version": "0", "start": 0, "end": 3}],
+                "finish_reason": "abort",
+            }
+        ]
+    }
+    replies = iter([cut, ANSWER])
+    bodies: list[Any] = []
+    rule = json.dumps({"json_object": True})
+
+    async def go() -> Any:
+        async with (
+            server(answers(generate=lambda q: next(replies)), bodies) as (url, _),
+            VLLMPolicy([url], CharTokenizer(), max_context_tokens=64) as policy,
+        ):
+            return await policy.generate([1, 2, 3], SamplingParams(max_tokens=8, structured=rule))
+
+    out = asyncio.run(go())
+    sent = [b for b in bodies if "token_ids" in b]
+    assert [b["token_ids"] for b in sent] == [[1, 2, 3], [1, 2, 3]]
+    assert [b["sampling_params"]["max_tokens"] for b in sent] == [8, 8]
+    assert all(b["sampling_params"]["structured_outputs"] == {"json_object": True} for b in sent)
+    assert (out.ids, out.logprobs) == ([7, 8], [-0.5, -0.25])

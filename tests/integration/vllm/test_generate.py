@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,26 @@ def test_an_episode_deadline_cuts_a_long_completion_and_the_server_drops_it(
             assert decoded < len(full.ids) - 100, (decoded, len(full.ids))
 
     asyncio.run(go())
+
+
+def test_a_structured_outputs_constraint_shapes_the_tokens_and_their_logprobs(
+    servers: list[VLLMServer], tiny_qwen: Path
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    rule = json.dumps({"json": schema, "disable_any_whitespace": True})
+    tok = load_tokenizer(tiny_qwen, setting="model")
+    _, outs = sample(
+        servers[0], tiny_qwen, SamplingParams(max_tokens=32, seed=5, structured=rule), 4
+    )
+    for out in outs:
+        assert out.finish_reason == "stop", tok.decode(out.ids)
+        assert json.loads(tok.decode(out.ids)) in ({"answer": "yes"}, {"answer": "no"})
+        # Drawn from the constrained distribution: the forced tokens had probability one.
+        assert max(out.logprobs) > -1e-3
+    _, (free,) = sample(servers[0], tiny_qwen, SamplingParams(max_tokens=32, seed=5))
+    assert free.ids != outs[0].ids  # the random model does not write this by itself
