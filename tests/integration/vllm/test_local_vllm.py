@@ -3,6 +3,7 @@ servers, the server killed mid-run, and multi-turn chat and the gateway over a v
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,10 +16,11 @@ from typing import Any
 import openai
 import pytest
 import yaml
+from safetensors.torch import load_file
 
 from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.hf_tokenizer import load_tokenizer
-from rllm_async.engines.vllm import VLLMPolicy, VLLMServer
+from rllm_async.engines.vllm import VLLMPolicy, VLLMServer, write_weights
 from rllm_async.gateway import Gateway
 from rllm_async.rollout import RolloutContext
 
@@ -26,7 +28,14 @@ REPO = Path(__file__).resolve().parents[3]
 RLLM = Path(sys.executable).parent / "rllm-async"
 
 
-def write_config(tmp_path: Path, model: Path, mode: str, steps: int) -> Path:
+def write_config(
+    tmp_path: Path,
+    model: Path,
+    mode: str,
+    steps: int,
+    workflow: dict[str, Any] | None = None,
+    urls: list[str] | None = None,
+) -> Path:
     coordinator = {"pipeline_depth": 1, "max_staleness": 2, "weight_update": "latest"}
     config = {
         "name": f"vllm-{mode}",
@@ -37,9 +46,14 @@ def write_config(tmp_path: Path, model: Path, mode: str, steps: int) -> Path:
             "model_path": str(model),
             "max_seq_len": 256,
             "rollout": "vllm",
-            "vllm": {"dtype": "float32", "weights_dir": str(tmp_path / "weights")},
+            "vllm": {
+                "dtype": "float32",
+                "weights_dir": str(tmp_path / "weights"),
+                **({"urls": urls} if urls else {}),
+            },
         },
-        "workflow": {
+        "workflow": workflow
+        or {
             "cls": "rllm_async.workflows.SingleTurnWorkflow",
             "args": {"reward_fn": "tests.integration.vllm.tasks:reward"},
         },
@@ -100,6 +114,51 @@ def test_rllm_async_train_runs_on_a_vllm_server(tiny_qwen: Path, tmp_path: Path,
     assert (run_dir / "vllm-0.log").is_file()
     assert processes_in(run_dir.resolve()) == [], "the server was stopped with the run"
     assert not any((tmp_path / "weights").iterdir()), "the synced weights were deleted"
+
+
+def test_a_multi_turn_workflow_trains_on_one_token_sequence_per_episode(
+    servers: list[VLLMServer], tiny_qwen: Path, tmp_path: Path
+) -> None:
+    """`rllm-async train` with a two-turn env workflow on a running server (`vllm.urls`): each
+    episode's two model calls form one training sequence (the second prompt extends the first
+    call's exact tokens), whose sampled tokens carry the engine's logprobs, and the learner's
+    logprobs of those sequences equal the server's (float32: importance weights 1)."""
+    record = tmp_path / "episodes.jsonl"
+    workflow = {
+        "cls": "tests.integration.vllm.tasks.RecordingEnvWorkflow",
+        "args": {
+            "env": "tests.integration.vllm.tasks:TwoTurnEnv",
+            "max_turns": 2,
+            "record": str(record),
+        },
+    }
+    url = servers[0].url
+    config = write_config(tmp_path, tiny_qwen, "sync", steps=2, workflow=workflow, urls=[url])
+    try:
+        proc = train(config)
+        out, _ = proc.communicate(timeout=240)
+    finally:  # the server holds the run's last weights: give it the session's back
+        state = load_file(str(tiny_qwen / "model.safetensors"))
+        original = write_weights(state, tmp_path / "original", config=tiny_qwen / "config.json")
+        tokenizer = load_tokenizer(tiny_qwen, setting="model")
+        restore = VLLMPolicy([url], tokenizer, max_context_tokens=1024)
+        asyncio.run(restore.update_weights(original, 0, mode="abort"))
+    assert proc.returncode == 0, out
+    episodes = [json.loads(line) for line in record.read_text().splitlines()]
+    two_turn = [e for e in episodes if len(e["steps"]) == 2]
+    assert len(two_turn) >= 16, len(two_turn)  # 2 steps x 4 groups x 4 rollouts, at least
+    for episode in two_turn:
+        (p1, c1, l1), (p2, c2, l2) = episode["steps"]
+        assert p2[: len(p1) + len(c1)] == p1 + c1  # the second call extends the first's tokens
+        [(tokens, mask, logprobs)] = episode["sequences"]
+        assert tokens == p2 + c2
+        sampled = [i for i, m in enumerate(mask) if m]
+        assert sampled == [*range(len(p1), len(p1) + len(c1)), *range(len(p2), len(tokens))]
+        assert [logprobs[i] for i in sampled] == l1 + l2
+    run_dir = tmp_path / "runs" / "vllm-sync"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first = records[0]
+    assert abs(first["loss/is_weight_mean"] - 1.0) < 1e-3 and first["loss/sampler_kl"] < 1e-4
 
 
 def comm(pid: int) -> str:
