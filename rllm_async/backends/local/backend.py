@@ -44,7 +44,7 @@ from rllm_async.backends.local.warm_start import warm_start
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import Config, ConfigError, LossConfig, validate_options
 from rllm_async.engines.vllm import VLLMPolicy
-from rllm_async.engines.vllm.engine import VLLMEngine
+from rllm_async.engines.vllm.engine import VLLMEngine, vllm_metrics
 from rllm_async.types import TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class LocalBackend:
         self._model: Decoder = model
         self.version = 0
         self.vllm: VLLMEngine | None = None
+        self._vllm_pause_s = 0.0  # the last weight sync's pause of the servers, to resume
         self._policy: LocalPolicy | VLLMPolicy
         if opts.rollout == "vllm":
             assert opts.model_path is not None  # check_vllm
@@ -191,7 +192,10 @@ class LocalBackend:
         return await self._on_train_thread(self.learner.forward_backward, groups, loss)
 
     async def optim_step(self) -> dict[str, float]:
-        return await self._on_train_thread(self.learner.optim_step)
+        metrics = await self._on_train_thread(self.learner.optim_step)
+        if self.vllm is not None:
+            metrics.update(vllm_metrics(self.vllm, self._vllm_pause_s))
+        return metrics
 
     async def recompute_logprobs(self, groups: list[TrajectoryGroup]) -> None:
         """Record the current policy's logprobs of `groups` as their old logprobs (no grad)."""
@@ -201,7 +205,8 @@ class LocalBackend:
         """Publish the learner's weights as `version`: to the sampler, where pinned older versions
         stay until released, or into the vLLM servers."""
         if self.vllm is not None:
-            await self.vllm.load(await self._on_train_thread(self._write_for_vllm), version)
+            path = await self._on_train_thread(self._write_for_vllm)
+            self._vllm_pause_s = await self.vllm.load(path, version)
         else:
             self.store.publish(version, await self._on_train_thread(self._snapshot))
         self.version = version

@@ -12,7 +12,7 @@ from rllm_async.backends.local.hf import checkpoint_dir, model_config, read_conf
 from rllm_async.backends.local.lora import LoRAOptions
 from rllm_async.backends.local.warm_start import WarmStartOptions
 from rllm_async.config import Config, ConfigError
-from rllm_async.engines.vllm.engine import VLLMOptions
+from rllm_async.engines.vllm.engine import VLLMOptions, eval_problem
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,6 +73,8 @@ def check_vllm(config: Config, opts: LocalOptions) -> None:
             f"train.mini_batches ({config.train.mini_batches}) steps the optimizer before the "
             "batch's rollouts end: set coordinator.weight_update: latest, or mini_batches: 1"
         )
+    if problem := eval_problem(config.eval.every_steps):
+        raise ConfigError(problem)
 
 
 def check_fallback(opts: LocalOptions) -> None:

@@ -29,6 +29,7 @@ from rllm_async.backends.verl.verl_config import verl_config
 from rllm_async.backends.verl.vllm_rollout import VLLMRollout
 from rllm_async.backends.verl.worker import VerlWorker
 from rllm_async.config import Config, ConfigError, LossConfig
+from rllm_async.engines.vllm.engine import vllm_metrics
 from rllm_async.types import TrajectoryGroup
 
 T = TypeVar("T")
@@ -89,6 +90,7 @@ class VerlBackend:
         self._step = 0
         self._version = 0
         self.export_s = 0.0  # seconds the last weight sync took (gather, transfer, load)
+        self._vllm_pause_s = 0.0  # of that, the vLLM servers' pause to resume
         self._closed = False
 
     @classmethod
@@ -155,6 +157,8 @@ class VerlBackend:
             "optim/num_tokens": tokens,
             **self._stats.metrics(),
         }
+        if isinstance(self.rollout, VLLMRollout):
+            metrics.update(vllm_metrics(self.rollout.engine, self._vllm_pause_s))
         self._stats = LossStats()
         self._step += 1
         return metrics
@@ -164,7 +168,8 @@ class VerlBackend:
         start = time.perf_counter()
         if isinstance(self.rollout, VLLMRollout):
             # Gathered and written on the call thread; loaded from the loop the client lives on.
-            await self.rollout.load(await self._call(self.rollout.export), version)
+            path = await self._call(self.rollout.export)
+            self._vllm_pause_s = await self.rollout.load(path, version)
         else:
             await self._call(self.rollout.sync, version)
         self._version = version

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rllm_async.config import Config, ConfigError, validate_options
-from rllm_async.engines.vllm.engine import VLLMOptions
+from rllm_async.engines.vllm.engine import VLLMOptions, eval_problem
 from rllm_async.engines.vllm.server import REPO_VENV_PYTHON
 
 VERL_SERVERS = {"verl-vllm": "vllm", "verl-sglang": "sglang"}  # our rollout name: verl's
@@ -150,6 +150,8 @@ def check_config(config: Config) -> VerlOptions:
             f"while train.mini_batches ({config.train.mini_batches}) steps the optimizer before "
             "the batch's rollouts end: set coordinator.weight_update: latest, or mini_batches: 1"
         )
+    if opts.rollout == "vllm" and (problem := eval_problem(config.eval.every_steps)):
+        problems.append(problem)
     if opts.verl_server is not None and opts.colocated and co.sync_every > 1:
         problems.append(
             "colocated rollout servers (rollout_nodes: 0) sleep while the workers train and wake "

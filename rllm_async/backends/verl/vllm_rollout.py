@@ -49,9 +49,9 @@ class VLLMRollout:
         """Gather the trained weights from the workers and write them for the servers (blocking)."""
         return self.engine.write(self.workers.export_weights()[0])
 
-    async def load(self, path: Path, version: int) -> None:
-        """Make every server reload `path` as `version`."""
-        await self.engine.load(path, version)
+    async def load(self, path: Path, version: int) -> float:
+        """Make every server reload `path` as `version`; the seconds from pause to resume."""
+        return await self.engine.load(path, version)
 
     async def close(self) -> None:
         """Close the client's connections, then stop the servers and delete the weight files."""

@@ -255,3 +255,21 @@ async def _start_all(servers: list[VLLMServer]) -> None:
 async def _reload_once(client: VLLMPolicy, model_dir: Path) -> None:
     async with client:
         await client.update_weights(model_dir, 0, mode="wait")
+
+
+def vllm_metrics(engine: VLLMEngine, pause_s: float) -> dict[str, float]:
+    """A step's engine metrics: the last weight sync's pause to resume (`pause_s`, which the
+    learner's `on_policy_updated` got from `load`) and the managed servers restarted so far."""
+    return {"vllm/pause_s": pause_s, "vllm/restarts": float(engine.restarts)}
+
+
+def eval_problem(every_steps: int) -> str | None:
+    """Why evaluations during training (`eval.every_steps`) cannot run on vLLM servers, if any."""
+    if every_steps <= 0:
+        return None
+    return (
+        "backend.rollout: vllm: a vLLM server holds one weight version, so an evaluation during "
+        f"training (eval.every_steps {every_steps}) cannot stay on the version it started with "
+        "once the next weight sync lands: set eval.every_steps: 0 and evaluate at the end "
+        "(eval.at_end: true), or use rollout: local"
+    )

@@ -36,3 +36,9 @@ def test_pinned_episodes_cannot_span_the_mini_batches_of_a_step() -> None:
     assert config.coordinator.weight_update == "pin"
     with pytest.raises(ConfigError, match=r"train.mini_batches \(2\).*mini_batches: 1"):
         LocalBackend.from_config(config)
+
+
+def test_evaluations_during_training_are_refused() -> None:
+    config = vllm_config(**{"eval.every_steps": 5, "coordinator.weight_update": "latest"})
+    with pytest.raises(ConfigError, match=r"eval.every_steps 5.*eval.every_steps: 0.*eval.at_end"):
+        LocalBackend.from_config(config)

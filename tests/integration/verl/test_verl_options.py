@@ -199,3 +199,16 @@ def test_servers_refuse_pinned_episodes_across_mini_batches() -> None:
     )
     with pytest.raises(ConfigError, match=r"train.mini_batches \(2\) steps the optimizer"):
         check_config(cfg)
+
+
+def test_evaluations_during_training_are_refused_on_vllm_servers() -> None:
+    cfg = config_from_dict(
+        {
+            "backend": {"name": "verl", "model_path": "/x", **ENGINE, "device": "cpu"},
+            "rollout": {"max_tokens": 8},
+            "coordinator": LATEST,
+            "eval": {"every_steps": 5},
+        }
+    )
+    with pytest.raises(ConfigError, match=r"eval.every_steps 5.*eval.at_end"):
+        check_config(cfg)

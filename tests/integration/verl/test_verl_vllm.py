@@ -106,6 +106,9 @@ def test_rllm_async_train_with_verl_learner_and_vllm_rollout(
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["time/sync_s"] > 0 for r in records)
+    # The servers' pause of the previous step's sync, none before the first step's.
+    assert records[0]["vllm/pause_s"] == 0 and all(r["vllm/pause_s"] > 0 for r in records[1:])
+    assert all(r["vllm/restarts"] == 0 for r in records)
     assert all(r["loss/num_tokens"] > 0 for r in records)
     # The servers start from the workers' weights: the first step trains on tokens sampled by the
     # policy being trained, so verl's log-probs equal the server's.

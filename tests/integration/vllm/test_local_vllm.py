@@ -103,6 +103,9 @@ def test_rllm_async_train_runs_on_a_vllm_server(tiny_qwen: Path, tmp_path: Path,
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["time/sync_s"] > 0 for r in records)
+    # The servers' pause of the previous step's sync, none before the first step's.
+    assert records[0]["vllm/pause_s"] == 0 and all(r["vllm/pause_s"] > 0 for r in records[1:])
+    assert all(r["vllm/restarts"] == 0 for r in records)
     # The first step trains on tokens sampled by the starting weights, served in float32: the
     # learner's logprobs equal the server's (importance weights 1, no sampler-learner KL).
     first = records[0]
