@@ -1,6 +1,6 @@
-"""The vLLM client and engine against scripted HTTP servers: a weight sync whose prefix-cache
-reset fails, a server that never answers, the engine's timeout options, and a dead server's
-recovery."""
+"""The vLLM client and engine against scripted HTTP servers: a connection that breaks before its
+answer, a weight sync whose prefix-cache reset fails, a server that never answers, the engine's
+timeout options, and a dead server's recovery."""
 
 from __future__ import annotations
 
@@ -110,6 +110,60 @@ def weights(tmp_path: Path) -> Path:
 async def _slow(answer: Any, seconds: float) -> Any:
     await asyncio.sleep(seconds)
     return answer
+
+
+def dropping(n: int) -> Route:
+    """A generate route that closes the first `n` requests' connections unanswered (as a server
+    closing an idle keep-alive connection does) and answers the rest."""
+    left = n
+
+    def route(query: str) -> Any:
+        nonlocal left
+        if left:
+            left -= 1
+            return DROP
+        return ANSWER
+
+    return route
+
+
+def test_a_connection_that_breaks_before_its_answer_is_tried_once_more() -> None:
+    async def go() -> None:
+        async with (
+            server(answers(generate=dropping(1))) as (url, seen),
+            VLLMPolicy([url], CharTokenizer(), max_context_tokens=64) as policy,
+        ):
+            out = await policy.generate([1, 2, 3], SamplingParams(max_tokens=4))
+        assert (out.ids, out.logprobs, out.versions) == ([7, 8], [-0.5, -0.25], [0, 0])
+        assert seen.count("/inference/v1/generate") == 2
+
+    asyncio.run(go())
+
+
+def test_a_second_break_is_reported_naming_the_server() -> None:
+    async def go() -> None:
+        async with (
+            server(answers(generate=dropping(2))) as (url, seen),
+            VLLMPolicy([url], CharTokenizer(), max_context_tokens=64) as policy,
+        ):
+            with pytest.raises(VLLMServerError, match=rf"connection to .*{url} broke"):
+                await policy.generate([1, 2, 3], SamplingParams(max_tokens=4))
+        assert seen.count("/inference/v1/generate") == 2
+
+    asyncio.run(go())
+
+
+def test_a_server_gone_after_the_break_is_reported_as_broken() -> None:
+    async def go() -> None:
+        async with server(answers(generate=dropping(1))) as (url, _):
+            policy = VLLMPolicy([url], CharTokenizer(), max_context_tokens=64)
+            await policy.open()
+        # The server is gone: the first try breaks on a kept-alive connection or cannot connect.
+        with pytest.raises(VLLMServerError, match=rf"(connection to|cannot connect to) .*{url}"):
+            await policy.generate([1, 2, 3], SamplingParams(max_tokens=4))
+        await policy.close()
+
+    asyncio.run(go())
 
 
 def test_a_failed_prefix_cache_reset_fails_the_sync_and_generation_resumes(
