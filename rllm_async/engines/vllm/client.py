@@ -5,6 +5,9 @@ answers carry the sampled ids, the sampler's logprob of each (after temperature,
 sampler reports them) and spans saying which weight version sampled which tokens. Each request
 goes to the server with the fewest requests in flight. Weight syncs reload a safetensors directory
 into every server (`update_weights`).
+
+Past 400 lines because requests, weight syncs and a dead server's recovery all read and change
+the same per-server state (in flight, up, gone), which one class owns.
 """
 
 from __future__ import annotations
