@@ -191,29 +191,33 @@ def test_staleness_counts_the_tokens_a_sync_left_on_the_old_weights(
 
     async def go() -> None:
         await policy.generate(prompt, GREEDY)  # warm: the requests below start at once
-        rollouts = [context() for _ in range(256)]  # more than finish before the pause lands
-        running = [asyncio.create_task(ctx.generate(prompt)) for ctx in rollouts]
-        await wait_generating(policy.urls[0], tokens=96 * 4)
-        await policy.update_weights(weights["new"], 1, mode="keep")
-        await asyncio.gather(*running)
+        for version in (1, 2, 3):
+            rollouts = [context() for _ in range(256)]  # more than finish before the pause lands
+            running = [asyncio.create_task(ctx.generate(prompt)) for ctx in rollouts]
+            await wait_generating(policy.urls[0], tokens=96 * 4)
+            new = weights["new" if version % 2 else "old"]
+            await policy.update_weights(new, version, mode="keep")
+            await asyncio.gather(*running)
+            split = [
+                ctx.trajectory()
+                for ctx in rollouts
+                if set(ctx.trajectory().steps[0].versions) == {version - 1, version}
+            ]
+            if split:
+                break
+            # On a loaded machine the pause reached the engine after every request ended: again.
+        assert split, [ctx.trajectory().steps[0].versions[-1] for ctx in rollouts]
         after = context()
         await after.generate(prompt, max_tokens=8)
 
-        coordinator = SyncCoordinator(CoordinatorConfig(), 1, _no_hook, version=1)
-        split = [
-            ctx.trajectory()
-            for ctx in rollouts
-            if set(ctx.trajectory().steps[0].versions) == {0, 1}
-        ]
-        assert split, [ctx.trajectory().steps[0].versions[-1] for ctx in rollouts]
+        coordinator = SyncCoordinator(CoordinatorConfig(), 1, _no_hook, version=version)
         for traj in split:
             group = TrajectoryGroup("t", "default", [traj, after.trajectory()], [0.0, 0.0])
-            assert group.min_version == 0
+            assert group.min_version == version - 1
             assert coordinator.staleness(group.min_version) == 1
+        steps = after.trajectory().steps
+        assert steps[0].versions == [version] * len(steps[0].completion_ids)
         fresh = TrajectoryGroup("t", "default", [after.trajectory()], [0.0], dispatch_version=1)
-        assert after.trajectory().steps[0].versions == [1] * len(
-            after.trajectory().steps[0].completion_ids
-        )
         assert coordinator.staleness(fresh.min_version) == 0
 
     asyncio.run(go())
