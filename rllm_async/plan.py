@@ -60,6 +60,7 @@ def sim_config(f: Fit, c: Candidate, steps: int, seed: int, quiet: list[str]) ->
             "t_sync": f.t_sync,
             "train_share": f.train_share,
             "sync_share": f.sync_share,
+            "learner_share": f.learner_share,
             "len_median": float(np.median(f.lengths)),
             "len_cap": max(f.lengths),
         },
@@ -94,7 +95,9 @@ def workflow(f: Fit, seed: int = 0) -> SimWorkflow:
 
 
 def replay(f: Fit, c: Candidate, steps: int, seed: int = 0) -> dict[str, Any]:
-    """Replay candidate `c` on the fitted workload; its figures, time per step first."""
+    """Replay candidate `c` on the fitted workload (`f.for_mode(c.mode)`: on a shared device the
+    other mode than the recorded one has speeds of its own); its figures, time per step first."""
+    f = f.for_mode(c.mode)
     out = run_config(lambda quiet: sim_config(f, c, steps, seed, quiet), workflow(f, seed))
     n = out["steps"]
     # After the first step, as `fit` measures the recorded run.
@@ -201,7 +204,17 @@ def plan(
         r["speedup"] = round(classic_s / r["step_s"], 3) if classic_s else None
     recorded, table = rows[0], rows[1:]
     peak = ps_rate(int(f.meta["max_concurrency"]), f.rmax, f.n_half)
+    other = None
+    if f.other is not None:
+        other = {
+            "mode": "sync" if f.meta["mode"] != "sync" else "async",
+            "train_tok_s_alone": round(f.other.train_rate, 1),
+            "train_share": round(f.other.train_share, 3),
+            "learner_share": round(f.other.learner_share, 3),
+        }
     return {
+        "shared_device": f.shared_device,
+        "other_mode": other,
         "fit": {
             "rmax_tok_s": round(f.rmax, 1),
             "n_half": round(f.n_half, 2),
@@ -229,6 +242,12 @@ def render(result: dict[str, Any]) -> str:
     """The plan as text: the fit, what is measured and assumed, the table, the recommendation."""
     lines = ["fitted workload:"]
     lines += [f"  {k}: {v}" for k, v in result["fit"].items()]
+    other = result["other_mode"]
+    if other is not None:
+        lines.append(
+            f"replaying {other['mode']} mode (a device shared by generation and training):"
+        )
+        lines += [f"  {k}: {v}" for k, v in other.items() if k != "mode"]
     lines += ["measured:"] + [f"  - {m}" for m in result["measured"]]
     lines += ["assumed:"] + [f"  - {a}" for a in result["assumed"]]
     rec = result["recorded"]

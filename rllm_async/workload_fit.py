@@ -1,7 +1,12 @@
 """A sim workload fitted to a recorded run (`workload.jsonl`), for `rllm-async plan` to replay: the
 rollout lengths drawn from the recorded ones, the engine's decode rate as a function of the number
 of active rollouts, training seconds per completion token, optimizer-step and weight-sync seconds;
-what it measured and what it assumed, in words."""
+what it measured and what it assumed, in words.
+
+Where generation and training shared one device, each slows the other, and a record shows the
+speeds of its own mode's overlap only. Its own mode is replayed as recorded; the other mode (sync
+from an async record, async from a sync one) from the speeds each has alone and the shares of them
+each keeps beside the other (`Fit.other`)."""
 
 from __future__ import annotations
 
@@ -12,9 +17,14 @@ from typing import Any
 import numpy as np
 
 from rllm_async.config import ConfigError
-from rllm_async.workload_record import OFFSETS, RolloutRow, Workload
+from rllm_async.workload_record import OFFSETS, RolloutRow, StepRow, Workload
 
 DEFAULT_N_HALF = 64.0
+# On a device shared by generation and training, the share of its speed each keeps beside the
+# other where the record cannot tell: a device time-shared evenly.
+SHARED_SHARE = 0.5
+# A phase must hold this part of generation (or of training) for its share to be measured.
+SEEN = 0.1
 
 
 @dataclass
@@ -34,6 +44,14 @@ class Fit:
     sync_share: float = 1.0  # of the decode rate, while it syncs weights
     measured: list[str] = field(default_factory=list)
     assumed: list[str] = field(default_factory=list)
+    learner_share: float = 1.0  # of the training speed, while generation decodes
+    shared_device: bool | None = None  # None: the record does not say
+    # The fit that replays the other mode than the recorded one, where the device was shared.
+    other: Fit | None = None
+
+    def for_mode(self, mode: str) -> Fit:
+        """The fit to replay `mode` with: this one, or `other` for the other mode."""
+        return self.other if self.other is not None and mode != self.meta["mode"] else self
 
     def scaled(self, servers: float = 1.0, batch: float = 1.0) -> Fit:
         """This workload with `servers` times the rollout servers and `batch` times the groups."""
@@ -65,6 +83,9 @@ class Fit:
             self.sync_share,
             list(self.measured),
             assumed,
+            self.learner_share,
+            self.shared_device,
+            None if self.other is None else self.other.scaled(servers, batch),
         )
 
 
@@ -140,7 +161,7 @@ def fit(workload: Workload) -> Fit:
         if n > 1
         else steps[0].end - float(meta.get("start", 0.0))
     )
-    return Fit(
+    own = Fit(
         lengths=sorted(r.completion for r in drawn),
         rmax=rmax,
         n_half=n_half,
@@ -154,7 +175,121 @@ def fit(workload: Workload) -> Fit:
         sync_share=shares[1],
         measured=measured,
         assumed=assumed,
+        shared_device=shared_device(workload),
     )
+    if own.shared_device:
+        overlap = _overlap(rows, n_half)
+        own.other = _other_mode(own, steps, overlap)
+    elif own.shared_device is None:
+        assumed.append(
+            "generation and training run on devices of their own (the record does not say "
+            "whether they shared one), so the other mode is replayed at this mode's speeds"
+        )
+    return own
+
+
+def shared_device(workload: Workload) -> bool | None:
+    """Whether the recorded run's generation and training shared one device, as its backend
+    tells from the run's `config.yaml` (None: no config beside the record, or a backend that
+    cannot tell)."""
+    from importlib.metadata import entry_points
+
+    backend = dict((workload.config or {}).get("backend") or {})
+    name = backend.pop("name", None)
+    found = [e for e in entry_points(group="rllm_async.backends") if e.name == name]
+    if not found:
+        return None
+    shares = getattr(found[0].load(), "shares_device", None)
+    try:
+        return None if shares is None else shares(backend)
+    except ValueError:  # options of another version of the backend
+        return None
+
+
+def _overlap(rows: list[RolloutRow], n_half: float) -> float:
+    """The part of generation (its integral dt / (active + n_half)) the learner trained beside."""
+    k = OFFSETS.index(n_half)
+    total = sum(r.inv[k] for r in rows)
+    train = sum(r.inv_train[k] for r in rows if r.inv_train is not None)
+    return train / total if total > 0 else 0.0
+
+
+def _other_mode(own: Fit, steps: list[StepRow], overlap: float) -> Fit:
+    """The fit replaying the other mode than the recorded one on a shared device: the decode
+    rate alone (`own.rmax`), training's speed alone and the share each keeps beside the other,
+    measured where the record saw them, else assumed; its measured and assumed items go to
+    `own`'s lists, naming the mode they are for."""
+    mode = "sync" if own.meta["mode"] != "sync" else "async"
+    say = f"replays of {mode} mode (generation and training shared one device)"
+    if overlap >= SEEN:
+        train_share = own.train_share
+        own.measured.append(
+            f"{say}: decoding keeps {train_share:.0%} of its rate beside training, as measured "
+            f"(training overlapped {overlap:.0%} of generation)"
+        )
+    else:
+        train_share = SHARED_SHARE
+        own.assumed.append(
+            f"{say}: decoding keeps {train_share:.0%} of its rate beside training (training "
+            f"overlapped {overlap:.0%} of generation here, too little to measure)"
+        )
+    measured = _learner_share(steps)
+    if measured is not None:
+        learner_share, train_rate = measured
+        own.measured.append(
+            f"{say}: training alone at {train_rate:.0f} tok/s, keeping {learner_share:.0%} of "
+            "that beside generation (fitted on the steps' training time with and without "
+            "rollouts running)"
+        )
+    else:
+        learner_share = max(0.05, 1.0 - train_share)
+        calls = [c for s in steps for c in s.calls or []]
+        beside = sum(c[2] for c in calls)
+        alone = sum(c[1] for c in calls) - beside
+        tokens = sum(c[0] for c in calls)
+        if not calls:  # a record from before the calls were: all training counted alone
+            alone, tokens = sum(s.train_s for s in steps), sum(s.tokens for s in steps)
+        train_rate = tokens / max(alone + learner_share * beside, 1e-12)
+        own.assumed.append(
+            f"{say}: training keeps {learner_share:.0%} of its speed beside generation, the "
+            f"complement of decoding's share ({beside / max(alone + beside, 1e-12):.0%} of its "
+            "time ran beside rollouts, too uniformly to tell that share from its speed alone); "
+            f"{train_rate:.0f} tok/s alone follows"
+        )
+    return Fit(
+        own.lengths,
+        own.rmax,
+        own.n_half,
+        train_rate,
+        own.t_optim,
+        own.t_sync,
+        own.meta,
+        math.nan,
+        own.filter_rate,
+        train_share,
+        own.sync_share,
+        learner_share=learner_share,
+        shared_device=True,
+    )
+
+
+def _learner_share(steps: list[StepRow]) -> tuple[float, float] | None:
+    """The share of its speed training keeps beside generation and its rate alone (tokens/s),
+    fitted as tokens = rate * (alone + share * beside) over the forward-backward calls; None
+    where the calls did not train both alone and beside rollouts for a part `SEEN` of their time,
+    in proportions that vary by `SEEN` or more, or the fit falls outside (0, 1]."""
+    calls = np.array([c for s in steps for c in s.calls or [] if c[1] > 0]).reshape(-1, 3)
+    if len(calls) < 3:
+        return None
+    tokens, seconds, beside = calls.T
+    alone = seconds - beside
+    if min(alone.sum(), beside.sum()) < SEEN * seconds.sum() or np.std(beside / seconds) < SEEN:
+        return None
+    (rate, rate_beside), *_ = np.linalg.lstsq(np.stack([alone, beside], 1), tokens, rcond=None)
+    share = rate_beside / rate if rate > 0 else math.nan
+    if not 0.0 < share <= 1.0 + 1e-6:
+        return None
+    return min(float(share), 1.0), float(rate)
 
 
 def _fit_rate(rows: list[RolloutRow]) -> tuple[float, float, bool, tuple[float, float]]:

@@ -7,7 +7,10 @@ R(n) = rmax n / (n + n_half) a rollout of L tokens has L = rmax * that integral 
 the engine's decode rate as a function of concurrency can be fitted from the rows alone. The
 same integrals over the time the learner was training (`inv_train`) and syncing weights
 (`inv_sync`) tell how much of that rate generation keeps beside each: none during a sync that
-pauses the engine, a fraction while training shares the engine's processors.
+pauses the engine, a fraction while training shares the engine's processors. Each step also
+carries its forward-backward calls with the part of each during which rollouts were running
+(`calls`), from which the learner's own slowdown beside generation is fitted, and the run's `config.yaml` beside
+the record tells whether its backend runs generation and training on one device.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class StepRow:
     train_s: float
     optim_s: float
     sync_s: float
+    # Its forward-backward calls: [tokens, seconds, the seconds of them during which at least
+    # one rollout was running] (None: recorded before these were).
+    calls: list[list[float]] | None = None
 
 
 @dataclass(slots=True)
@@ -78,12 +84,14 @@ class _Kept:
 
 @dataclass(slots=True)
 class Workload:
-    """A recorded workload: the run's settings (`meta`), sampled rollouts and steps."""
+    """A recorded workload: the run's settings (`meta`), sampled rollouts and steps, and the run's
+    `config.yaml` where it lies beside the record (None otherwise)."""
 
     meta: dict[str, Any]
     rollouts: list[RolloutRow] = field(default_factory=list)
     steps: list[StepRow] = field(default_factory=list)
     rollouts_seen: int = 0
+    config: dict[str, Any] | None = field(default=None, compare=False)
 
 
 class WorkloadRecorder:
@@ -108,6 +116,10 @@ class WorkloadRecorder:
         # Integrals of dt / (active + c), c in OFFSETS: over all time, then over each phase.
         self._inv = np.zeros((1 + len(PHASES), len(OFFSETS)))
         self._phase = 0  # 0: none, else 1 + the index in PHASES
+        # Seconds with at least one rollout running: in all, then in each phase; and the
+        # training part of it when the last forward-backward call ended.
+        self._busy = np.zeros(1 + len(PHASES))
+        self._train_busy = 0.0
         self._t_last = start
         # Starts and ends not yet integrated: when, and how many rollouts were active until then.
         # Integrating them in a batch keeps a rollout's cost to two appends (16k rollouts in flight
@@ -117,6 +129,7 @@ class WorkloadRecorder:
         self._marks: list[tuple[int, Callable[[float, np.ndarray], None]]] = []
         self._tokens = 0
         self._train_s = 0.0
+        self._calls: list[list[float]] = []
 
     def _event(self, now: float, then: Callable[[float, np.ndarray], None] | None = None) -> None:
         """Log a start or end at `now`; `then` gets the integrals there once they are known."""
@@ -137,6 +150,10 @@ class WorkloadRecorder:
         area = self._area + np.cumsum(n * dt)
         rates = np.divide(dt, n + _OFFSETS, out=np.zeros((len(t), len(OFFSETS))), where=n > 0)
         inv = np.cumsum(rates, axis=0)
+        busy = float((dt[:, 0] * (n[:, 0] > 0)).sum())
+        self._busy[0] += busy
+        if self._phase:
+            self._busy[self._phase] += busy
         for i, then in self._marks:
             then(float(area[i]), self._with(inv[i]))
         self._area, self._inv = float(area[-1]), self._with(inv[-1])
@@ -209,15 +226,22 @@ class WorkloadRecorder:
         return Workload(self.meta, list(self._rows.values()), list(self._steps), self._finished)
 
     def trained(self, tokens: int, seconds: float) -> None:
-        """One forward-backward call of `tokens` completion tokens took `seconds`."""
+        """One forward-backward call of `tokens` completion tokens took `seconds` (the training
+        phase that just ended)."""
+        self._integrate()
+        train_busy = float(self._busy[1 + PHASES.index("train")])
+        beside = min(train_busy - self._train_busy, seconds)
+        self._train_busy = train_busy
         self._tokens += tokens
         self._train_s += seconds
+        self._calls.append([tokens, seconds, beside])
 
     def step(self, step: int, now: float, optim_s: float, sync_s: float) -> None:
         """An optimizer step ended; the forward-backward calls since the last one belong to it."""
         if len(self._steps) < self.cap:
-            self._steps.append(StepRow(step, now, self._tokens, self._train_s, optim_s, sync_s))
-        self._tokens, self._train_s = 0, 0.0
+            row = StepRow(step, now, self._tokens, self._train_s, optim_s, sync_s, self._calls)
+            self._steps.append(row)
+        self._tokens, self._train_s, self._calls = 0, 0.0, []
 
     def write(self, run_path: Path) -> Path:
         """Write `workload.jsonl` (a meta line, then one line per row) into `run_path`."""
@@ -248,7 +272,8 @@ def read_workload(path: Path) -> Workload:
         path = (found or sorted(path.glob(f"*/{FILE_NAME}")) or [path / FILE_NAME])[0]
     if not path.exists():
         raise FileNotFoundError(f"{path}: no recorded workload (runs write it when they end)")
-    workload = Workload({})
+    config = path.parent / "config.yaml"
+    workload = Workload({}, config=_read_config(config) if config.exists() else None)
     for line in path.read_text().splitlines():
         row = json.loads(line)
         kind = row.pop("kind")
@@ -260,3 +285,11 @@ def read_workload(path: Path) -> Workload:
         elif kind == "step":
             workload.steps.append(StepRow(**row))
     return workload
+
+
+def _read_config(path: Path) -> dict[str, Any] | None:
+    """The run's `config.yaml` as plain data (None if it is not a mapping)."""
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(OmegaConf.load(path))
+    return {str(k): v for k, v in data.items()} if isinstance(data, dict) else None

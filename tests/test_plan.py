@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -163,3 +164,53 @@ def test_the_fit_recovers_how_much_decoding_slows_beside_training_and_syncs(
     assert f.rmax == pytest.approx(20000.0, rel=0.02) and f.n_half == 64.0
     predicted = replay(f, recorded_candidate(f), STEPS)["step_s"]
     assert predicted == pytest.approx(f.measured_step_s, rel=0.05)
+
+
+def test_the_fit_measures_the_learners_share_beside_generation_from_a_sync_record(
+    tmp_path: Path,
+) -> None:
+    # In sync mode the first micro-batches train beside the step's last rollouts, the others
+    # alone: the forward-backward calls tell the learner's speed alone and beside generation.
+    shares = ["backend.train_share=0.6", "backend.learner_share=0.7"]
+    run = _record(tmp_path / "sync", "mode=sync", "coordinator.max_staleness=0", *shares)
+    f = fit(read_workload(run))
+    assert f.shared_device is True and f.other is not None and f.learner_share == 1.0
+    alone = SimBackend.from_config(workload_config("W1")).train_rate
+    assert f.other.learner_share == pytest.approx(0.7, abs=1e-6)
+    assert f.other.train_rate == pytest.approx(alone, rel=1e-6)
+    assert f.other.train_share == pytest.approx(0.6)
+    assert any("keeping 70% of that beside generation" in m for m in f.measured)
+    # An async run trains beside rollouts throughout: its learner's share is assumed.
+    run = _record(
+        tmp_path / "async",
+        "coordinator.pipeline_depth=2",
+        "coordinator.max_staleness=null",
+        *shares,
+    )
+    f = fit(read_workload(run))
+    assert f.other is not None and f.other.learner_share == pytest.approx(0.4)
+    assert any("complement of decoding's share" in a for a in f.assumed)
+
+
+def test_a_plan_on_a_shared_device_predicts_the_other_mode(tmp_path: Path) -> None:
+    # Training as long as sync generation, on a device both share evenly: each mode's record,
+    # replayed in the other mode, predicts that mode's measured step time within 10%; at the
+    # recorded mode's speeds it would miss by more.
+    shared = ["backend.train_ratio=1.0", "backend.train_share=0.5", "backend.learner_share=0.5"]
+    runs = {
+        "async": _record(
+            tmp_path / "async",
+            "coordinator.pipeline_depth=2",
+            "coordinator.max_staleness=null",
+            *shared,
+        ),
+        "sync": _record(tmp_path / "sync", "mode=sync", "coordinator.max_staleness=0", *shared),
+    }
+    fits = {mode: fit(read_workload(run)) for mode, run in runs.items()}
+    for mode, other in (("async", "sync"), ("sync", "async")):
+        target = fits[mode]
+        setting = recorded_candidate(target)
+        predicted = replay(fits[other], setting, STEPS)["step_s"]
+        assert predicted == pytest.approx(target.measured_step_s, rel=0.10)
+        unshared = replay(dataclasses.replace(fits[other], other=None), setting, STEPS)["step_s"]
+        assert abs(unshared / target.measured_step_s - 1) > 0.15

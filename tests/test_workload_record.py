@@ -118,3 +118,46 @@ def test_a_record_from_before_the_split_reads_with_no_phases(tmp_path: Path) -> 
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     row = read_workload(path).rollouts[0]
     assert row.inv_train is None and row.inv_sync is None and row.completion == 4
+
+
+def test_each_forward_backward_call_records_its_time_beside_rollouts() -> None:
+    # A rollout runs from 0 to 4 s; one call trains 1-2 s beside it, one 3.5-5 s half beside it,
+    # one 6-7 s alone.
+    rec = WorkloadRecorder({"mode": "sync"})
+    token = rec.started(0.0)
+    rec.phase(1.0, "train")
+    rec.phase(2.0, None)
+    rec.trained(10, 1.0)
+    rec.phase(3.5, "train")
+    rec.finished(4.0, token, _episode(8))
+    rec.phase(5.0, None)
+    rec.trained(20, 1.5)
+    rec.step(1, 5.0, 0.0, 0.0)
+    rec.phase(6.0, "train")
+    rec.phase(7.0, None)
+    rec.trained(30, 1.0)
+    rec.step(2, 7.0, 0.0, 0.0)
+    first, second = rec.workload.steps
+    assert first.calls == [[10, 1.0, pytest.approx(1.0)], [20, 1.5, pytest.approx(0.5)]]
+    assert second.calls == [[30, 1.0, 0.0]] and second.tokens == 30
+
+
+def test_the_record_reads_the_config_of_its_run(tmp_path: Path) -> None:
+    config = workload_config(
+        "W1",
+        [
+            f"run_dir={tmp_path}",
+            "logging.progress_bar=false",
+            "checkpoint.at_end=false",
+            "train.total_steps=2",
+            "train.groups_per_step=4",
+            "backend.learner_share=0.5",
+        ],
+    )
+    UnifiedTrainer(config).run()
+    workload = read_workload(tmp_path)
+    assert workload.config is not None
+    assert workload.config["backend"]["name"] == "sim"
+    assert workload.config["backend"]["learner_share"] == 0.5
+    assert all(s.calls and sum(c[0] for c in s.calls) == s.tokens for s in workload.steps)
+    assert read_workload(config.run_path / FILE_NAME).config == workload.config

@@ -59,6 +59,14 @@ class LocalBackend:
     options: ClassVar[type[BaseModel]] = LocalOptions
     virtual_clock: ClassVar[bool] = False
 
+    @classmethod
+    def shares_device(cls, options: dict[str, Any]) -> bool | None:
+        """Whether generation and training share one device under these `backend:` options: the
+        sampler thread and the learner run on `device` (the CPU, or one GPU); where vLLM servers
+        sample, their devices are not in the options (None: unknown)."""
+        opts = LocalOptions.model_validate(options)
+        return True if opts.rollout == "local" else None
+
     def __init__(self, config: Config, opts: LocalOptions) -> None:
         self.opts = opts
         self.device = device_of(opts.device)

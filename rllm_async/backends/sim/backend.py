@@ -1,9 +1,11 @@
 """The `sim` backend: a deterministic, model-free simulation of generation and training.
 
 Generation runs on a simulated inference server (`server.py`). Training takes completion tokens /
-train_rate seconds (recomputing old logprobs, a forward pass only, a third of that), each optimizer
-step t_optim; weight syncs take t_sync. While training and syncing, generation decodes at
-train_share and sync_share of its rate. Used by tests, benchmarks and to dry-run a schedule.
+train_rate seconds alone (recomputing old logprobs, a forward pass only, a third of that), each
+optimizer step t_optim; weight syncs take t_sync. While training and syncing, generation decodes at
+train_share and sync_share of its rate; while generation decodes, training and recomputing run at
+learner_share of their speed (a device the two share). Used by tests, benchmarks and to dry-run a
+schedule.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
@@ -83,7 +85,7 @@ class SimBackend:
         tokens = sum(map(sum, lengths))
         seconds = tokens / self.train_rate if self.opts.latency == "ps" else 0.0
         if seconds:
-            await self._beside_generation(seconds, self.opts.train_share)
+            await self._beside_generation(seconds, self.opts.train_share, learner=True)
         if self._open_step is None:
             self._open_step = []
             self.trained.append(self._open_step)
@@ -104,7 +106,7 @@ class SimBackend:
         """A no-grad forward pass over `groups` (old logprobs): a third of a training pass's time."""
         tokens = sum(g.num_completion_tokens for g in groups)
         if self.opts.latency == "ps" and tokens:
-            await asyncio.sleep(tokens / self.train_rate / 3)
+            await self._learner_time(tokens / self.train_rate / 3)
 
     async def optim_step(self) -> dict[str, float]:
         if self.opts.latency == "ps" and self.opts.t_optim:
@@ -135,16 +137,46 @@ class SimBackend:
         self.version = version
         self._policy.set_version(version)
 
-    async def _beside_generation(self, seconds: float, share: float) -> None:
-        """Take `seconds` during which generation decodes at `share` of its rate."""
+    @classmethod
+    def shares_device(cls, options: dict[str, Any]) -> bool | None:
+        """Whether generation and training share one device under these `backend:` options: they
+        do where either slows the other."""
+        opts = SimOptions.model_validate(options)
+        return opts.train_share < 1.0 or opts.learner_share < 1.0
+
+    async def _beside_generation(self, seconds: float, share: float, learner: bool = False) -> None:
+        """Take `seconds` during which generation decodes at `share` of its rate; with `learner`,
+        they are seconds of learner work, which slows beside generation (`_learner_time`)."""
         engine = self._policy.engine
         if engine is not None:
             engine.set_speed(share)
         try:
-            await asyncio.sleep(seconds)
+            await (self._learner_time(seconds) if learner else asyncio.sleep(seconds))
         finally:
             if engine is not None:
                 engine.set_speed(1.0)
+
+    async def _learner_time(self, seconds: float) -> None:
+        """Do `seconds` of learner work (its time alone), at learner_share of that speed while the
+        engine decodes: the work advances at the current rate until it is done or the engine
+        starts or stops decoding."""
+        share, engine = self.opts.learner_share, self._policy.engine
+        if share == 1.0 or engine is None:
+            await asyncio.sleep(seconds)
+            return
+        loop = asyncio.get_running_loop()
+        left = seconds
+        while True:
+            rate = share if engine.active else 1.0
+            changed = engine.busy_changed()
+            t0 = loop.time()
+            await asyncio.wait([changed], timeout=left / rate)
+            if not changed.done():
+                changed.cancel()
+                return
+            left -= (loop.time() - t0) * rate
+            if left <= 1e-12 * seconds:
+                return
 
     async def save(self, path: Path) -> None:
         path = Path(path)

@@ -28,6 +28,9 @@ class SimOptions(BaseModel):
     # weights: 1 on devices of their own, below 1 on shared processors, 0 where a sync pauses.
     train_share: float = Field(default=1.0, ge=0.0, le=1.0)
     sync_share: float = Field(default=1.0, ge=0.0, le=1.0)
+    # The share of its own speed training (and recomputing logprobs) keeps while generation
+    # decodes beside it: 1 on devices of their own, below 1 where the two share one device.
+    learner_share: float = Field(default=1.0, gt=0.0, le=1.0)
     sync_fail_every: int = Field(default=0, ge=0)  # 0: never
     sync_hang_every: int = Field(default=0, ge=0)  # 0: never
     # The rollout-length distribution train_ratio is calibrated on; from_config takes any of

@@ -107,6 +107,8 @@ class ProcessorSharing:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._rescheduling = False
+        self._busy = False  # whether any sequence was decoding at the last change
+        self._busy_waiters: list[asyncio.Future[None]] = []
 
     @property
     def queued(self) -> int:
@@ -133,6 +135,13 @@ class ProcessorSharing:
         else:
             self._queue.append(job)
         return job
+
+    def busy_changed(self) -> asyncio.Future[None]:
+        """A future that resolves when the engine next starts or stops decoding (active turns
+        from zero to more, or back)."""
+        waiter = self._use_running_loop().create_future()
+        self._busy_waiters = [w for w in self._busy_waiters if not w.done()] + [waiter]
+        return waiter
 
     def _use_running_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
@@ -163,6 +172,18 @@ class ProcessorSharing:
         self._heap.clear()
         self._queue.clear()
         self.active = 0
+        self._wake_busy_waiters()
+
+    def _wake_busy_waiters(self) -> None:
+        """Resolve the `busy_changed` futures if the engine started or stopped decoding."""
+        busy = self.active > 0
+        if busy == self._busy:
+            return
+        self._busy = busy
+        waiters, self._busy_waiters = self._busy_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _advance(self) -> None:
         if self._loop is None:
@@ -190,6 +211,7 @@ class ProcessorSharing:
     def _changed(self) -> None:
         # The rate changed, so the armed completion time is stale: disarm now, re-arm once per
         # loop iteration (a burst of joins costs one timer, not one each).
+        self._wake_busy_waiters()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

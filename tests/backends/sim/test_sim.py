@@ -430,3 +430,69 @@ def test_training_with_train_share_slows_decoding_by_that_share() -> None:
         return t - start
 
     assert vclock.run(main(), virtual=True) == pytest.approx(0.275, abs=1e-9)
+
+
+def test_learner_share_slows_training_only_while_generation_decodes() -> None:
+    # One sequence alone decodes at 1000 / (1 + 1) = 500 tok/s: 100 tokens from 0 to 0.2 s, 50
+    # from 0.3 to 0.4 s. 600 tokens at 1000 tok/s are 0.6 s of training alone; at half speed
+    # beside decoding it does 0.1 s of that work by 0.2 s, 0.1 s more alone by 0.3 s, 0.05 s
+    # beside the second sequence by 0.4 s, and the last 0.35 s alone: it ends at 0.75 s.
+    def finish(learner_share: float) -> tuple[float, float, float]:
+        opts = SimOptions(rmax=1000, n_half=1, train_rate=1000, learner_share=learner_share)
+        backend = SimBackend(opts)
+        policy = backend.policy()
+        task = synthetic_tasks(1)[0]
+
+        async def main() -> tuple[float, float, float]:
+            ctx = _ctx(policy, task["id"])
+            await ctx.generate([1], max_tokens=600)
+            ctx.close()
+            group = TrajectoryGroup(task["id"], "default", [ctx.trajectory()], [0.0])
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+
+            async def later() -> tuple[float, list[int]]:
+                await asyncio.sleep(0.3)
+                return await _timed_generate(policy, 50)
+
+            async def train() -> float:
+                await backend.forward_backward([group], LossConfig())
+                return loop.time()
+
+            (t1, _), (t2, _), t_train = await asyncio.gather(
+                _timed_generate(policy, 100), later(), train()
+            )
+            return t1 - start, t2 - start, t_train - start
+
+        return vclock.run(main(), virtual=True)
+
+    assert finish(0.5) == pytest.approx((0.2, 0.4, 0.75), abs=1e-9)
+    assert finish(1.0) == pytest.approx((0.2, 0.4, 0.6), abs=1e-9)
+
+
+def test_learner_share_slows_recomputed_logprobs_beside_generation() -> None:
+    # 300 tokens: 0.1 s of a forward pass alone. At a quarter speed beside a 100-token sequence
+    # (0-0.2 s) it does 0.05 s of that work, the other 0.05 s alone after: it ends at 0.25 s.
+    backend = SimBackend(SimOptions(rmax=1000, n_half=1, train_rate=1000, learner_share=0.25))
+    policy = backend.policy()
+    task = synthetic_tasks(1)[0]
+
+    async def main() -> float:
+        ctx = _ctx(policy, task["id"])
+        await ctx.generate([1], max_tokens=300)
+        ctx.close()
+        group = TrajectoryGroup(task["id"], "default", [ctx.trajectory()], [0.0])
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        _, _ = await asyncio.gather(
+            _timed_generate(policy, 100), backend.recompute_logprobs([group])
+        )
+        return loop.time() - start
+
+    assert vclock.run(main(), virtual=True) == pytest.approx(0.25, abs=1e-9)
+
+
+def test_the_sim_says_whether_generation_and_training_share_a_device() -> None:
+    assert SimBackend.shares_device({}) is False
+    assert SimBackend.shares_device({"learner_share": 0.5}) is True
+    assert SimBackend.shares_device({"train_share": 0.5, "rmax": 100}) is True
