@@ -253,15 +253,16 @@ class SyncCoordinator:
 
     # -- rollout activity (for the generation idle ratio) ------------------------------------------
 
-    def rollout_started(self) -> None:
-        now = asyncio.get_running_loop().time()
+    def rollout_started(self, now: float) -> None:
+        """A rollout started at `now` on the loop's clock."""
         if self._rollouts is None:
             self._rollouts = _BusyMeter(now)
         self._rollouts.change(now, +1)
 
-    def rollout_finished(self) -> None:
+    def rollout_finished(self, now: float) -> None:
+        """A rollout ended at `now` on the loop's clock."""
         assert self._rollouts is not None
-        self._rollouts.change(asyncio.get_running_loop().time(), -1)
+        self._rollouts.change(now, -1)
 
     @property
     def rollouts_running(self) -> int:

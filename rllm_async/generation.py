@@ -81,8 +81,9 @@ class Generation:
         loop = asyncio.get_running_loop()
         start = await self.slots.acquire()
         try:
-            self.coordinator.rollout_started()
-            token = self.workload.started(loop.time())
+            now = loop.time()
+            self.coordinator.rollout_started(now)
+            token = self.workload.started(now)
             episode = None
             try:
                 rollout = await run_rollout(
@@ -100,8 +101,9 @@ class Generation:
                 )
                 episode = rollout.episode
             finally:
-                self.coordinator.rollout_finished()
-                self.workload.finished(loop.time(), token, episode)
+                now = loop.time()
+                self.coordinator.rollout_finished(now)
+                self.workload.finished(now, token, episode)
         finally:
             self.slots.release(start)
         if episode is None:

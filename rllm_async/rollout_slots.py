@@ -5,7 +5,7 @@ fewer sequences and the late ones finish before the bound drops their group."""
 from __future__ import annotations
 
 import asyncio
-from collections import Counter, deque
+from collections import deque
 
 from rllm_async.coordinator import SyncCoordinator
 
@@ -26,7 +26,7 @@ class RolloutSlots:
         self.late_limit = max(1, int(max_concurrency * late_share)) if late_share else None
         self.coordinator = coordinator
         self.running = 0
-        self._starts: Counter[int] = Counter()  # the policy version each running rollout began at
+        self._starts: dict[int, int] = {}  # running rollouts by the policy version they began at
         self._waiters: deque[asyncio.Future[int]] = deque()
 
     def limit(self) -> int:
@@ -53,8 +53,10 @@ class RolloutSlots:
     def release(self, start: int) -> None:
         """Free the slot of a rollout that began at version `start`; start the next ones."""
         self.running -= 1
-        self._starts[start] -= 1
-        if not self._starts[start]:
+        left = self._starts[start] - 1
+        if left:
+            self._starts[start] = left
+        else:
             del self._starts[start]
         while self._waiters and self.running < self.limit():
             slot = self._waiters.popleft()
@@ -64,5 +66,5 @@ class RolloutSlots:
     def _grant(self) -> int:
         start = self.coordinator.synced_version
         self.running += 1
-        self._starts[start] += 1
+        self._starts[start] = self._starts.get(start, 0) + 1
         return start

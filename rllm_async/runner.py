@@ -65,7 +65,7 @@ async def run_rollout(
             parser=parser,
         )
         try:
-            async with ctx.timeout():
+            with ctx.timeout():
                 result = await workflow.run(task, ctx)
             episode = ctx.build_episode(result)
         except TimeoutError:

@@ -66,12 +66,20 @@ class Trajectory:
 
     @property
     def num_completion_tokens(self) -> int:
-        return sum(len(s.completion_ids) for s in self.steps)
+        n = 0
+        for s in self.steps:
+            n += len(s.completion_ids)
+        return n
 
     @property
     def min_version(self) -> int | None:
-        versions = [min(s.versions) for s in self.steps if s.versions]
-        return min(versions) if versions else None
+        oldest = None
+        for s in self.steps:
+            if s.versions:
+                v = min(s.versions)
+                if oldest is None or v < oldest:
+                    oldest = v
+        return oldest
 
     def sequences(self) -> list[TokenSequence]:
         """Token-in/token-out training sequences.
@@ -118,7 +126,10 @@ class Episode:
 
     @property
     def num_completion_tokens(self) -> int:
-        return sum(t.num_completion_tokens for t in self.trajectories)
+        n = 0
+        for t in self.trajectories:
+            n += t.num_completion_tokens
+        return n
 
 
 @dataclass(slots=True)
@@ -143,12 +154,19 @@ class TrajectoryGroup:
     @property
     def min_version(self) -> int:
         """Oldest policy version of any token in the group (the dispatch version if no tokens)."""
-        versions = [v for t in self.trajectories if (v := t.min_version) is not None]
-        return min(versions) if versions else self.dispatch_version
+        oldest = None
+        for t in self.trajectories:
+            v = t.min_version
+            if v is not None and (oldest is None or v < oldest):
+                oldest = v
+        return self.dispatch_version if oldest is None else oldest
 
     @property
     def num_completion_tokens(self) -> int:
-        return sum(t.num_completion_tokens for t in self.trajectories)
+        n = 0
+        for t in self.trajectories:
+            n += t.num_completion_tokens
+        return n
 
     def training_sequences(self) -> Iterator[tuple[TokenSequence, float]]:
         """Every token sequence with a sampled token, in order, with its trajectory's advantage."""

@@ -6,9 +6,11 @@ scheduling order; a task's base success probability is fixed by its id.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
+from collections.abc import Callable
+from functools import cache
+from hashlib import blake2b
 from statistics import NormalDist
 
 import numpy as np
@@ -33,9 +35,15 @@ def sample_lengths(
 
 def uniforms(*key: object, n: int) -> list[float]:
     """n uniform draws in (0, 1) fixed by `key` alone, not by scheduling order or PYTHONHASHSEED."""
-    digest = hashlib.blake2b("\x1f".join(map(str, key)).encode(), digest_size=8 * n).digest()
+    digest = blake2b("\x1f".join(map(str, key)).encode(), digest_size=8 * n).digest()
     # 52 bits keep (k + 0.5) / 2**52 exactly representable and strictly inside (0, 1).
-    return [((k >> 12) + 0.5) / 2**52 for k in struct.unpack(f"<{n}Q", digest)]
+    return [((k >> 12) + 0.5) * 2.0**-52 for k in _words(n)(digest)]
+
+
+@cache
+def _words(n: int) -> Callable[[bytes], tuple[int, ...]]:
+    """The unpacker of n little-endian 64-bit words (one per n: a hot path)."""
+    return struct.Struct(f"<{n}Q").unpack
 
 
 def task_difficulty(task_id: str) -> float:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import math
 import numbers
@@ -100,8 +99,9 @@ class RolloutContext:
         """When this episode must end, on the event loop's clock; later by every sync it waited for."""
         return self._deadline
 
-    def timeout(self, margin_s: float = 0.0) -> contextlib.AbstractAsyncContextManager[None]:
-        """A scope that raises TimeoutError `margin_s` before the deadline, and moves with it."""
+    def timeout(self, margin_s: float = 0.0) -> _DeadlineScope:
+        """A scope that raises TimeoutError `margin_s` before the deadline, and moves with it:
+        `with ctx.timeout(margin_s):` (or `async with`, as with `asyncio.timeout`)."""
         return _DeadlineScope(self, margin_s)
 
     @property
@@ -318,7 +318,11 @@ class RolloutContext:
             for t in trajs:
                 t.reward = float(result)
         trajs = self._finish_trajectories()
-        reward = sum(t.reward for t in trajs) if trajs else float(result or 0.0)
+        reward: float = 0
+        for t in trajs:
+            reward += t.reward
+        if not trajs:
+            reward = float(result or 0.0)
         return _checked(
             Episode(
                 task_id=self.task_id,
@@ -331,13 +335,15 @@ class RolloutContext:
     def _finish_trajectories(self) -> list[Trajectory]:
         trajs = list(self._trajectories.values())
         for t in trajs:
-            t.reward += sum(s.reward for s in t.steps if s.reward is not None)
+            step_rewards = [s.reward for s in t.steps if s.reward is not None]
+            if step_rewards:
+                t.reward += sum(step_rewards)
         return trajs
 
 
-class _DeadlineScope(contextlib.AbstractAsyncContextManager[None]):
+class _DeadlineScope:
     """`RolloutContext.timeout`: a `Deadline` registered with its context, so that waits for
-    weight syncs move it. A plain class: every rollout opens one."""
+    weight syncs move it. A plain `with` (entering awaits nothing), also usable as `async with`."""
 
     __slots__ = ("_ctx", "_margin_s", "_scope")
 
@@ -345,20 +351,30 @@ class _DeadlineScope(contextlib.AbstractAsyncContextManager[None]):
         self._ctx = ctx
         self._margin_s = margin_s
 
-    async def __aenter__(self) -> None:
+    def __enter__(self) -> None:
         self._scope = Deadline(self._ctx.deadline - self._margin_s)
-        await self._scope.__aenter__()
+        self._scope.__enter__()
         self._ctx._scopes[self._scope] = self._margin_s
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        del self._ctx._scopes[self._scope]
+        self._scope.__exit__(exc_type, exc, tb)
+
+    async def __aenter__(self) -> None:
+        self.__enter__()
 
     async def __aexit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool | None:
-        del self._ctx._scopes[self._scope]
-        await self._scope.__aexit__(exc_type, exc, tb)
-        return None
+    ) -> None:
+        self.__exit__(exc_type, exc, tb)
 
 
 def _checked(episode: Episode) -> Episode:

@@ -4,6 +4,8 @@ It behaves as `asyncio.timeout_at`, but every scope of a loop shares one timer: 
 pushes a tuple onto a heap and leaving marks it dead, with no timer handle of its own. With
 thousands of rollouts in flight, each under its own deadline, asyncio's per-scope timer handles
 (objects compared in Python on every heap operation) cost more than the rest of a short rollout.
+Entering needs no await, so it is a plain `with` (as trio's cancel scopes are): no coroutine per
+scope either.
 """
 
 from __future__ import annotations
@@ -43,17 +45,18 @@ class Deadline:
         if when is not None:
             self._timer.add(self, when)
 
-    async def __aenter__(self) -> Deadline:
-        task = asyncio.current_task()
+    def __enter__(self) -> Deadline:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task(loop)
         if task is None:
             raise RuntimeError("a Deadline must be entered inside a task")
-        self._task, self._timer = task, _timer()
+        self._task, self._timer = task, _timer(loop)
         self._cancelling = task.cancelling()
         if self._when is not None:
             self._timer.add(self, self._when)
         return self
 
-    async def __aexit__(
+    def __exit__(
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
@@ -127,11 +130,17 @@ class _Timer:
 
 
 _timers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Timer] = weakref.WeakKeyDictionary()
+_last: _Timer | None = (
+    None  # the timer used last, nearly always the next one's (its loop stays alive)
+)
 
 
-def _timer() -> _Timer:
-    loop = asyncio.get_running_loop()
+def _timer(loop: asyncio.AbstractEventLoop) -> _Timer:
+    global _last
+    if _last is not None and _last._loop is loop:
+        return _last
     timer = _timers.get(loop)
     if timer is None:
         timer = _timers[loop] = _Timer(loop)
+    _last = timer
     return timer

@@ -24,9 +24,8 @@ def test_a_deadline_raises_timeout_error_at_its_time() -> None:
     async def main() -> float:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        with pytest.raises(TimeoutError):
-            async with Deadline(start + 5.0) as scope:
-                await asyncio.sleep(60)
+        with pytest.raises(TimeoutError), Deadline(start + 5.0) as scope:
+            await asyncio.sleep(60)
         assert scope.expired()
         return loop.time() - start
 
@@ -36,7 +35,7 @@ def test_a_deadline_raises_timeout_error_at_its_time() -> None:
 def test_a_scope_left_in_time_does_not_fire_and_leaves_the_task_uncancelled() -> None:
     async def main() -> tuple[bool, int]:
         loop = asyncio.get_running_loop()
-        async with Deadline(loop.time() + 5.0) as scope:
+        with Deadline(loop.time() + 5.0) as scope:
             await asyncio.sleep(1)
         await asyncio.sleep(10)  # past the deadline: nothing fires
         task = asyncio.current_task()
@@ -50,12 +49,11 @@ def test_reschedule_moves_the_deadline_and_none_stops_it() -> None:
     async def main() -> float:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        with pytest.raises(TimeoutError):
-            async with Deadline(start + 1.0) as scope:
-                scope.reschedule(None)
-                await asyncio.sleep(5)  # stopped: its first time passes
-                scope.reschedule(loop.time() + 2.0)
-                await asyncio.sleep(60)
+        with pytest.raises(TimeoutError), Deadline(start + 1.0) as scope:
+            scope.reschedule(None)
+            await asyncio.sleep(5)  # stopped: its first time passes
+            scope.reschedule(loop.time() + 2.0)
+            await asyncio.sleep(60)
         return loop.time() - start
 
     assert run(main()) == pytest.approx(7.0)
@@ -66,10 +64,9 @@ def test_nested_scopes_fire_in_order_and_the_inner_one_is_reported() -> None:
         loop = asyncio.get_running_loop()
         outer = Deadline(loop.time() + 10.0)
         inner = Deadline(loop.time() + 3.0)
-        async with outer:
-            with pytest.raises(TimeoutError):
-                async with inner:
-                    await asyncio.sleep(60)
+        with outer:
+            with pytest.raises(TimeoutError), inner:
+                await asyncio.sleep(60)
             await asyncio.sleep(1)  # the outer one is still running
         return inner.expired(), outer.expired()
 
@@ -78,7 +75,7 @@ def test_nested_scopes_fire_in_order_and_the_inner_one_is_reported() -> None:
 
 def test_a_cancellation_from_outside_is_not_turned_into_a_timeout() -> None:
     async def body(started: asyncio.Event) -> None:
-        async with Deadline(asyncio.get_running_loop().time() + 100.0):
+        with Deadline(asyncio.get_running_loop().time() + 100.0):
             started.set()
             await asyncio.sleep(60)
 
@@ -99,7 +96,7 @@ def test_thousands_of_scopes_fire_each_at_its_own_time_and_dead_entries_are_comp
     async def rollout(i: int, when: float, lives: float) -> None:
         loop = asyncio.get_running_loop()
         try:
-            async with Deadline(when):
+            with Deadline(when):
                 await asyncio.sleep(lives)
         except TimeoutError:
             fired[i] = loop.time()
@@ -124,9 +121,8 @@ def test_a_deadline_fires_on_the_real_clock() -> None:
     async def main() -> float:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        with pytest.raises(TimeoutError):
-            async with Deadline(start + 0.05):
-                await asyncio.sleep(5)
+        with pytest.raises(TimeoutError), Deadline(start + 0.05):
+            await asyncio.sleep(5)
         return loop.time() - start
 
     assert 0.04 < asyncio.run(main()) < 1.0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections import Counter
 
 from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.sim.options import SimOptions
@@ -25,7 +24,7 @@ class SimPolicy:
         )
         self._tokenizer = ByteTokenizer()
         self._version = 0
-        self._refs: Counter[int] = Counter()
+        self._refs: dict[int, int] = {}
         # Service levels at which the version changed, for per-token versions in latest mode.
         self._change_levels = [0.0]
         self._change_versions = [0]
@@ -45,14 +44,16 @@ class SimPolicy:
         return dict(self._refs)
 
     def acquire(self) -> int:
-        self._refs[self._version] += 1
+        self._refs[self._version] = self._refs.get(self._version, 0) + 1
         return self._version
 
     def release(self, version: int) -> None:
-        if self._refs.get(version, 0) <= 0:
+        held = self._refs.get(version, 0)
+        if held <= 0:
             raise ValueError(f"release({version}) without a matching acquire()")
-        self._refs[version] -= 1
-        if not self._refs[version]:
+        if held > 1:
+            self._refs[version] = held - 1
+        else:
             del self._refs[version]
 
     def set_version(self, version: int) -> None:
