@@ -216,16 +216,26 @@ def _overlap(rows: list[RolloutRow], n_half: float) -> float:
 
 def _other_mode(own: Fit, steps: list[StepRow], overlap: float) -> Fit:
     """The fit replaying the other mode than the recorded one on a shared device: the decode
-    rate alone (`own.rmax`), training's speed alone and the share each keeps beside the other,
-    measured where the record saw them, else assumed; its measured and assumed items go to
-    `own`'s lists, naming the mode they are for."""
+    rate and training's speed alone and the share each keeps beside the other, measured where
+    the record saw each both alone and beside the other, else assumed; its measured and assumed
+    items go to `own`'s lists, naming the mode they are for."""
     mode = "sync" if own.meta["mode"] != "sync" else "async"
     say = f"replays of {mode} mode (generation and training shared one device)"
-    if overlap >= SEEN:
+    rmax = own.rmax
+    if SEEN <= overlap <= 1.0 - SEEN:
         train_share = own.train_share
         own.measured.append(
             f"{say}: decoding keeps {train_share:.0%} of its rate beside training, as measured "
             f"(training overlapped {overlap:.0%} of generation)"
+        )
+    elif overlap > 1.0 - SEEN:
+        # Decoding was seen beside training only: its rate there is measured, not alone.
+        train_share = SHARED_SHARE
+        rmax = own.rmax * own.train_share / train_share
+        own.assumed.append(
+            f"{say}: decoding keeps {train_share:.0%} of its rate beside training (training "
+            f"overlapped {overlap:.0%} of generation, too much to see it alone), so it decodes "
+            f"at R(n) = {rmax:.0f} n / (n + {own.n_half:g}) tok/s alone"
         )
     else:
         train_share = SHARED_SHARE
@@ -238,8 +248,8 @@ def _other_mode(own: Fit, steps: list[StepRow], overlap: float) -> Fit:
         learner_share, train_rate = measured
         own.measured.append(
             f"{say}: training alone at {train_rate:.0f} tok/s, keeping {learner_share:.0%} of "
-            "that beside generation (fitted on the steps' training time with and without "
-            "rollouts running)"
+            "that beside generation (fitted on the forward-backward calls' time with and "
+            "without rollouts running)"
         )
     else:
         learner_share = max(0.05, 1.0 - train_share)
@@ -258,7 +268,7 @@ def _other_mode(own: Fit, steps: list[StepRow], overlap: float) -> Fit:
         )
     return Fit(
         own.lengths,
-        own.rmax,
+        rmax,
         own.n_half,
         train_rate,
         own.t_optim,
