@@ -30,22 +30,26 @@ class FailureRateBreaker:
     def __init__(self, config: Config) -> None:
         self.window = config.rollout.failure_window
         self.max_rate = config.rollout.max_failure_rate
-        self._outcomes: deque[bool] = deque(maxlen=self.window)
-        self._failures = 0
+        self._seen = 0  # rollouts observed
+        self._failed: deque[int] = deque()  # the failed ones among the last `window`, by number
         self._last_error = ""
 
     def observe(self, failed: bool, last_error: str) -> None:
         """Count one rollout's outcome; `last_error` (if any) is named when the breaker trips."""
         if last_error:
             self._last_error = last_error
-        if len(self._outcomes) == self._outcomes.maxlen:
-            self._failures -= self._outcomes[0]
-        self._outcomes.append(failed)
-        self._failures += failed
-        n = len(self._outcomes)
+        self._seen += 1
+        failures = self._failed
+        if failed:
+            failures.append(self._seen)
+        if not failures:
+            return
+        if failures[0] <= self._seen - self.window:  # the window moves on by one
+            failures.popleft()
+        n = min(self._seen, self.window)
         if n < min(self.window, _BREAKER_MIN_ROLLOUTS):
             return
-        rate = self._failures / n
+        rate = len(failures) / n
         if rate > self.max_rate:
             raise FailureRateError(
                 f"{rate:.0%} of the last {n} rollouts failed (rollout.max_failure_rate="

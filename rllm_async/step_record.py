@@ -149,6 +149,8 @@ class StepRecord:
         self._counts = counts  # the coordinator's counts at the previous record
         self._episodes = 0
         self._tokens = 0
+        # Finished episodes' figures not yet in `metrics`: count, reward and token sums.
+        self._pending = [0, 0.0, 0]
 
     def add(self, metrics: Mapping[str, float], reduce: Reduce | None = None) -> None:
         """Add metrics to the step's record, each reduced as `REDUCTIONS` declares (or `reduce`)."""
@@ -164,10 +166,10 @@ class StepRecord:
         """A finished episode's metrics (reward, completion tokens), its own reduced as its
         workflow's `reductions` declare; returns its completion tokens, counted once here."""
         tokens = episode.num_completion_tokens
-        record = self.metrics.record
-        record("rollout/reward/mean", episode.reward, REDUCTIONS["rollout/reward/mean"])
-        record("episode/completion_tokens", tokens, REDUCTIONS["episode/completion_tokens"])
-        record("tokens/generated", tokens, REDUCTIONS["tokens/generated"])
+        pending = self._pending
+        pending[0] += 1
+        pending[1] += float(episode.reward)
+        pending[2] += tokens
         self._tokens += tokens
         if episode.metrics:
             record_episode(self.metrics, "episode/", episode, reductions)
@@ -206,6 +208,18 @@ class StepRecord:
 
     def flush(self, step: int) -> dict[str, float]:
         """Write the record of `step` to every sink."""
+        episodes, reward, tokens = self._pending
+        if episodes:
+            record_total = self.metrics.record_total
+            record_total("rollout/reward/mean", reward, episodes, REDUCTIONS["rollout/reward/mean"])
+            record_total(
+                "episode/completion_tokens",
+                tokens,
+                episodes,
+                REDUCTIONS["episode/completion_tokens"],
+            )
+            record_total("tokens/generated", tokens, episodes, REDUCTIONS["tokens/generated"])
+            self._pending = [0, 0.0, 0]
         record = self.metrics.flush(step)
         self.records.append(record)
         return record

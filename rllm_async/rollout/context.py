@@ -300,11 +300,11 @@ class RolloutContext:
         A returned float is the outcome reward of the single trajectory; each of this context's
         trajectories then gets its steps' rewards added.
         """
+        trajs = list(self._trajectories.values())
         if isinstance(result, Episode):
             if not result.trajectories:
-                result.trajectories = self._finish_trajectories()
+                result.trajectories = _finished(trajs)
             return _checked(result)
-        trajs = list(self._trajectories.values())
         if result is not None:
             if not isinstance(result, (int, float)):
                 raise TypeError(
@@ -317,7 +317,7 @@ class RolloutContext:
                 )
             for t in trajs:
                 t.reward = float(result)
-        trajs = self._finish_trajectories()
+        _finished(trajs)
         reward: float = 0
         for t in trajs:
             reward += t.reward
@@ -331,14 +331,6 @@ class RolloutContext:
                 termination=Termination.DONE,
             )
         )
-
-    def _finish_trajectories(self) -> list[Trajectory]:
-        trajs = list(self._trajectories.values())
-        for t in trajs:
-            step_rewards = [s.reward for s in t.steps if s.reward is not None]
-            if step_rewards:
-                t.reward += sum(step_rewards)
-        return trajs
 
 
 class _DeadlineScope:
@@ -375,6 +367,20 @@ class _DeadlineScope:
         tb: TracebackType | None,
     ) -> None:
         self.__exit__(exc_type, exc, tb)
+
+
+def _finished(trajs: list[Trajectory]) -> list[Trajectory]:
+    """`trajs`, each with its steps' rewards added to its reward."""
+    for t in trajs:
+        step_rewards: float = 0
+        rewarded = False
+        for s in t.steps:
+            if s.reward is not None:
+                step_rewards += s.reward
+                rewarded = True
+        if rewarded:
+            t.reward += step_rewards
+    return trajs
 
 
 def _checked(episode: Episode) -> Episode:

@@ -13,6 +13,7 @@ from rllm_async.algorithms.sim_workload import (
     LEN_MEDIAN,
     LEN_SIGMA,
     rollout_length,
+    rollout_uniforms,
     task_difficulty,
     uniforms,
 )
@@ -73,8 +74,8 @@ class SimWorkflow(Workflow):
         task_id = str(task["id"])
         if task_id in a.fail_tasks:
             raise SimWorkflowError(f"task {task_id} is in workflow.args.fail_tasks")
-        u_len, u_hang, u_exc, u_reward = uniforms(
-            a.seed, task_id, ctx.rollout_index, ctx.attempt, n=4
+        u_len, u_hang, u_exc, u_reward = rollout_uniforms(
+            a.seed, task_id, ctx.rollout_index, ctx.attempt
         )
         if a.lengths:
             length = a.lengths[int(u_len * len(a.lengths))]
