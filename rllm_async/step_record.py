@@ -149,8 +149,10 @@ class StepRecord:
         self._counts = counts  # the coordinator's counts at the previous record
         self._episodes = 0
         self._tokens = 0
-        # Finished episodes' figures not yet in `metrics`: count, reward and token sums.
-        self._pending = [0, 0.0, 0]
+        # Finished episodes not yet in `metrics`: how many, their rewards' and tokens' sums.
+        self._pending_episodes = 0
+        self._pending_reward = 0.0
+        self._pending_tokens = 0
 
     def add(self, metrics: Mapping[str, float], reduce: Reduce | None = None) -> None:
         """Add metrics to the step's record, each reduced as `REDUCTIONS` declares (or `reduce`)."""
@@ -166,10 +168,9 @@ class StepRecord:
         """A finished episode's metrics (reward, completion tokens), its own reduced as its
         workflow's `reductions` declare; returns its completion tokens, counted once here."""
         tokens = episode.num_completion_tokens
-        pending = self._pending
-        pending[0] += 1
-        pending[1] += float(episode.reward)
-        pending[2] += tokens
+        self._pending_episodes += 1
+        self._pending_reward += float(episode.reward)
+        self._pending_tokens += tokens
         self._tokens += tokens
         if episode.metrics:
             record_episode(self.metrics, "episode/", episode, reductions)
@@ -208,7 +209,11 @@ class StepRecord:
 
     def flush(self, step: int) -> dict[str, float]:
         """Write the record of `step` to every sink."""
-        episodes, reward, tokens = self._pending
+        episodes, reward, tokens = (
+            self._pending_episodes,
+            self._pending_reward,
+            self._pending_tokens,
+        )
         if episodes:
             record_total = self.metrics.record_total
             record_total("rollout/reward/mean", reward, episodes, REDUCTIONS["rollout/reward/mean"])
@@ -219,7 +224,7 @@ class StepRecord:
                 REDUCTIONS["episode/completion_tokens"],
             )
             record_total("tokens/generated", tokens, episodes, REDUCTIONS["tokens/generated"])
-            self._pending = [0, 0.0, 0]
+            self._pending_episodes, self._pending_reward, self._pending_tokens = 0, 0.0, 0
         record = self.metrics.flush(step)
         self.records.append(record)
         return record
