@@ -20,6 +20,7 @@ from rllm_async.backends.local.backend import LocalOptions
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServerError, write_weights
 from rllm_async.engines.vllm.engine import VLLMEngine, VLLMOptions
+from tests.engines.vllm.tiny_engine import start_engine
 
 ANSWER = {
     "choices": [
@@ -263,22 +264,10 @@ def test_the_timeouts_are_engine_options_with_their_defaults() -> None:
 def test_the_engine_gives_its_client_the_timeouts(tmp_path: Path) -> None:
     """An engine on a user's server (`urls`): its start-up reload lands there, and its client
     stops waiting for an answer after `read_timeout_s`."""
-    checkpoint = tmp_path / "ckpt"
-    checkpoint.mkdir()
-    (checkpoint / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
 
     async def run_engine(url: str) -> VLLMEngine:
         opts = VLLMOptions(urls=[url], read_timeout_s=0.5, weights_dir=str(tmp_path / "shm"))
-        return await asyncio.to_thread(
-            VLLMEngine,
-            opts,
-            checkpoint=checkpoint,
-            state={"model.embed_tokens.weight": torch.zeros(4, 2)},
-            tokenizer=CharTokenizer(),
-            max_seq_len=64,
-            run_dir=tmp_path / "run",
-            mode="keep",
-        )
+        return await asyncio.to_thread(start_engine, opts, tmp_path)
 
     async def go() -> None:
         async with server(answers(generate=HANG)) as (url, seen):

@@ -3,15 +3,13 @@ a stand-in interpreter that prints what it was given and exits: no vLLM needed."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.engines.vllm import VLLMServer, VLLMServerError
-from rllm_async.engines.vllm.engine import VLLMEngine, VLLMOptions
+from rllm_async.engines.vllm.engine import VLLMOptions
+from tests.engines.vllm.tiny_engine import start_engine
 
 
 def test_the_command_line_is_eager_unless_told_otherwise(tmp_path: Path) -> None:
@@ -32,9 +30,6 @@ def fake_interpreter(tmp_path: Path) -> Path:
 
 
 def test_the_engine_gives_each_server_its_device_and_environment(tmp_path: Path) -> None:
-    checkpoint = tmp_path / "ckpt"
-    checkpoint.mkdir()
-    (checkpoint / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     opts = VLLMOptions(
         python=str(fake_interpreter(tmp_path)),
         devices=["3"],
@@ -43,15 +38,7 @@ def test_the_engine_gives_each_server_its_device_and_environment(tmp_path: Path)
         weights_dir=str(tmp_path / "shm"),
     )
     with pytest.raises(VLLMServerError, match="exited with exit code 3"):
-        VLLMEngine(
-            opts,
-            checkpoint=checkpoint,
-            state={"model.embed_tokens.weight": torch.zeros(4, 2)},
-            tokenizer=CharTokenizer(),
-            max_seq_len=64,
-            run_dir=tmp_path / "run",
-            mode="keep",
-        )
+        start_engine(opts, tmp_path)
     log = (tmp_path / "run" / "vllm-0.log").read_text().splitlines()
     assert "CUDA_VISIBLE_DEVICES=3" in log and "RLLM_TEST_MARK=on" in log
     assert "VLLM_SERVER_DEV_MODE=1" in log
