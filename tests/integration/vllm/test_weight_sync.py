@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -271,6 +271,25 @@ def engine_on(
     )
 
 
+def run_then_restore(
+    engine: VLLMEngine, old: Path, body: Callable[[VLLMPolicy], Awaitable[None]]
+) -> None:
+    """Run `body` on the engine's policy, then give the server its `old` weights back and stop
+    the engine (a server it did not start keeps running for the next test)."""
+
+    async def go() -> None:
+        try:
+            await body(engine.policy)
+        finally:
+            await engine.policy.update_weights(old, 0, mode="abort")
+            await engine.policy.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        engine.stop()
+
+
 def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
@@ -288,27 +307,19 @@ def test_an_engine_on_a_running_server_reloads_its_weights_and_syncs(
     started = engine.write(start)  # the starting weights, as a checkpoint for the reference
     reference = Reference(started)
 
-    async def go() -> None:
-        policy = engine.policy
+    async def body(policy: VLLMPolicy) -> None:
         prompt = prompt_of(policy)
-        try:
-            assert policy.urls == [server.url]
-            first = await policy.generate(prompt, GREEDY)
-            assert first.versions == [0] * len(first.ids)
-            assert max_gap(first.logprobs, reference.logprobs(prompt, first.ids, 0.0)) < TOLERANCE
-            await engine.load(weights["new"], 1)
-            after = await policy.generate(prompt, GREEDY)
-            assert after.versions == [1] * len(after.ids)
-            expected = hf_logprobs(weights["new"], prompt, after.ids, 0.0)
-            assert max_gap(after.logprobs, expected) < TOLERANCE
-        finally:
-            await policy.update_weights(weights["old"], 0, mode="abort")
-            await policy.close()
+        assert policy.urls == [server.url]
+        first = await policy.generate(prompt, GREEDY)
+        assert first.versions == [0] * len(first.ids)
+        assert max_gap(first.logprobs, reference.logprobs(prompt, first.ids, 0.0)) < TOLERANCE
+        await engine.load(weights["new"], 1)
+        after = await policy.generate(prompt, GREEDY)
+        assert after.versions == [1] * len(after.ids)
+        expected = hf_logprobs(weights["new"], prompt, after.ids, 0.0)
+        assert max_gap(after.logprobs, expected) < TOLERANCE
 
-    try:
-        asyncio.run(go())
-    finally:
-        engine.stop()
+    run_then_restore(engine, weights["old"], body)
     assert server.alive and asyncio.run(server.healthy())
     assert not any((tmp_path / "shm").iterdir()), "the engine deleted its weight files"
 
@@ -338,21 +349,13 @@ def test_a_tied_checkpoint_is_reloaded_with_its_output_layer(
     trained = load_file(str(tmp_path / "trained" / "model.safetensors"))
     reference = Reference(tmp_path / "trained")
 
-    async def go() -> None:
-        policy = engine.policy
+    async def body(policy: VLLMPolicy) -> None:
         prompt = prompt_of(policy)
-        try:
-            before = await policy.generate(prompt, GREEDY)
-            await engine.load(engine.write(trained), 1)
-            after = await policy.generate(prompt, GREEDY)
-            assert after.versions == [1] * len(after.ids)
-            assert max_gap(after.logprobs, reference.logprobs(prompt, after.ids, 0.0)) < TOLERANCE
-            assert after.logprobs != before.logprobs
-        finally:
-            await policy.update_weights(weights["old"], 0, mode="abort")
-            await policy.close()
+        before = await policy.generate(prompt, GREEDY)
+        await engine.load(engine.write(trained), 1)
+        after = await policy.generate(prompt, GREEDY)
+        assert after.versions == [1] * len(after.ids)
+        assert max_gap(after.logprobs, reference.logprobs(prompt, after.ids, 0.0)) < TOLERANCE
+        assert after.logprobs != before.logprobs
 
-    try:
-        asyncio.run(go())
-    finally:
-        engine.stop()
+    run_then_restore(engine, weights["old"], body)
