@@ -25,6 +25,7 @@ DEFAULT_N_HALF = 64.0
 SHARED_SHARE = 0.5
 # A phase must hold this part of generation (or of training) for its share to be measured.
 SEEN = 0.1
+ALONE_OR_NOT = "training seconds per token are what this run measured, beside generation or not"
 
 
 @dataclass
@@ -116,7 +117,7 @@ def fit(workload: Workload) -> Fit:
         "environment time are not modelled",
         "groups are filtered at the recorded rate, independently of the setting; no failures",
         "the engine shares its decode rate evenly over the active rollouts (processor sharing)",
-        "training seconds per token are what this run measured, beside generation or not",
+        ALONE_OR_NOT,
     ]
     # The first step holds the engine's warm-up (vLLM's first batch took 19 s where later ones
     # took about 1 s): it is left out of the decode rate and of the measured step time.
@@ -178,6 +179,8 @@ def fit(workload: Workload) -> Fit:
         shared_device=shared_device(workload),
     )
     if own.shared_device:
+        mode = meta["mode"]
+        assumed[assumed.index(ALONE_OR_NOT)] = f"replays of {mode} mode: {ALONE_OR_NOT}"
         overlap = _overlap(rows, n_half)
         own.other = _other_mode(own, steps, overlap)
     elif own.shared_device is None:
