@@ -21,7 +21,8 @@ from rllm_async.plan import (
 )
 from rllm_async.simulate import QUIET
 from rllm_async.trainer import UnifiedTrainer
-from rllm_async.workload_record import read_workload
+from rllm_async.workload_fit import shared_device
+from rllm_async.workload_record import Workload, read_workload
 
 # W1 (32 groups of 8 per step): smaller batches make one run's step time vary by +-5% with the
 # seed (the step waits for its longest rollouts), so a run could not be predicted within 5%.
@@ -207,6 +208,12 @@ def test_a_plan_on_a_shared_device_predicts_the_other_mode(tmp_path: Path) -> No
         "sync": _record(tmp_path / "sync", "mode=sync", "coordinator.max_staleness=0", *shared),
     }
     fits = {mode: fit(read_workload(run)) for mode, run in runs.items()}
+    # The async learner trained beside nearly all of generation: decoding alone is not seen, its
+    # share there is assumed, and the rate measured beside training is kept.
+    seen, cross = fits["async"], fits["async"].other
+    assert cross is not None and cross.train_share == 0.5 and cross.learner_share == 0.5
+    assert cross.rmax * cross.train_share == pytest.approx(seen.rmax * seen.train_share)
+    assert any("too much to see it alone" in a for a in seen.assumed)
     for mode, other in (("async", "sync"), ("sync", "async")):
         target = fits[mode]
         setting = recorded_candidate(target)
@@ -214,3 +221,18 @@ def test_a_plan_on_a_shared_device_predicts_the_other_mode(tmp_path: Path) -> No
         assert predicted == pytest.approx(target.measured_step_s, rel=0.10)
         unshared = replay(dataclasses.replace(fits[other], other=None), setting, STEPS)["step_s"]
         assert abs(unshared / target.measured_step_s - 1) > 0.15
+
+
+def test_the_backend_in_the_runs_config_says_whether_the_device_was_shared() -> None:
+    def shared(backend: dict[str, object] | None) -> bool | None:
+        config = None if backend is None else {"backend": backend}
+        return shared_device(Workload({"mode": "async"}, config=config))
+
+    assert shared({"name": "local", "model": "small", "learner": "process"}) is True
+    assert shared({"name": "local", "device": "cuda:0"}) is True
+    assert shared({"name": "local", "rollout": "vllm"}) is None  # the servers' devices
+    assert shared({"name": "sim", "learner_share": 0.5}) is True
+    assert shared({"name": "sim"}) is False
+    assert shared({"name": "local", "no_such_option": 1}) is None
+    assert shared({"name": "no_such_backend"}) is None
+    assert shared(None) is None
