@@ -137,8 +137,9 @@ _last: _Timer | None = (
 
 def _timer(loop: asyncio.AbstractEventLoop) -> _Timer:
     global _last
-    if _last is not None and _last._loop is loop:
-        return _last
+    last = _last  # read once: another thread's loop may set it meanwhile
+    if last is not None and last._loop is loop:
+        return last
     timer = _timers.get(loop)
     if timer is None:
         timer = _timers[loop] = _Timer(loop)
