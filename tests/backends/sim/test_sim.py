@@ -55,6 +55,14 @@ async def _timed_generate(
     return asyncio.get_running_loop().time(), out.versions
 
 
+async def _trained_group(policy: SimPolicy, task_id: str, tokens: int) -> TrajectoryGroup:
+    """A group of one rollout of `tokens` sampled tokens, to train on."""
+    ctx = _ctx(policy, task_id)
+    await ctx.generate([1], max_tokens=tokens)
+    ctx.close()
+    return TrajectoryGroup(task_id, "default", [ctx.trajectory()], [0.0])
+
+
 def test_processor_sharing_matches_hand_computed_finish_times() -> None:
     # Two active: each decodes at 1000 / (2 + 2) = 250 tok/s, so the 100-token one ends at 0.4 s.
     # Then alone at 1000 / 3 tok/s, the other's last 200 tokens take 0.6 s: it ends at 1.0 s.
@@ -420,10 +428,7 @@ def test_training_with_train_share_slows_decoding_by_that_share() -> None:
     task = synthetic_tasks(1)[0]
 
     async def main() -> float:
-        ctx = _ctx(policy, task["id"])
-        await ctx.generate([1], max_tokens=100)
-        ctx.close()
-        group = TrajectoryGroup(task["id"], "default", [ctx.trajectory()], [0.0])
+        group = await _trained_group(policy, task["id"], 100)
         start = asyncio.get_running_loop().time()
         train = backend.forward_backward([group], LossConfig())
         (t, _), _ = await asyncio.gather(_timed_generate(policy, 100), train)
@@ -444,10 +449,7 @@ def test_learner_share_slows_training_only_while_generation_decodes() -> None:
         task = synthetic_tasks(1)[0]
 
         async def main() -> tuple[float, float, float]:
-            ctx = _ctx(policy, task["id"])
-            await ctx.generate([1], max_tokens=600)
-            ctx.close()
-            group = TrajectoryGroup(task["id"], "default", [ctx.trajectory()], [0.0])
+            group = await _trained_group(policy, task["id"], 600)
             loop = asyncio.get_running_loop()
             start = loop.time()
 
@@ -478,10 +480,7 @@ def test_learner_share_slows_recomputed_logprobs_beside_generation() -> None:
     task = synthetic_tasks(1)[0]
 
     async def main() -> float:
-        ctx = _ctx(policy, task["id"])
-        await ctx.generate([1], max_tokens=300)
-        ctx.close()
-        group = TrajectoryGroup(task["id"], "default", [ctx.trajectory()], [0.0])
+        group = await _trained_group(policy, task["id"], 300)
         loop = asyncio.get_running_loop()
         start = loop.time()
         _, _ = await asyncio.gather(
