@@ -69,6 +69,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _devices_pair(text: str) -> tuple[int, int]:
+    """`G:T` as (G, T); a ConfigError naming the form otherwise."""
+    gen, sep, train = text.partition(":")
+    if not (sep and gen.isdigit() and train.isdigit()):
+        raise ConfigError(
+            f"--recorded-devices {text!r}: write GEN:TRAIN, the recorded run's generation and "
+            "training devices, e.g. 1:1 for one shared device or 4:4"
+        )
+    return int(gen), int(train)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from rllm_async.plan import plan, render
 
@@ -88,6 +99,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             max_waste=args.max_waste,
             max_staleness=args.max_staleness,
             grid=grid,
+            devices=args.devices,
+            recorded_devices=_devices_pair(args.recorded_devices),
         )
     except FileNotFoundError as e:
         raise DataError(str(e)) from None
@@ -228,6 +241,18 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--policies", default="requeue", help="stale_policy values: requeue,drop")
     pl.add_argument(
         "--concurrency", default="1,0.5", help="max_concurrency as fractions of the recorded one"
+    )
+    pl.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="a cluster of N devices: the best setting for each split between generation and "
+        "training",
+    )
+    pl.add_argument(
+        "--recorded-devices",
+        default="1:1",
+        help="GEN:TRAIN devices of the recorded run (1:1: one device, shared or not)",
     )
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("--json", action="store_true", help="print one JSON line")

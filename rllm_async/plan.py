@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from rllm_async.backends.sim import ps_rate
-from rllm_async.config import Config, load_config
+from rllm_async.config import Config, ConfigError, load_config
 from rllm_async.simulate import run_config
 from rllm_async.workflows.sim import SimWorkflow
 from rllm_async.workload_fit import Fit, fit
@@ -162,25 +162,15 @@ def recommend(
     return min(ok, key=lambda r: r["step_s"]) if ok else None
 
 
-def plan(
-    run_dir: Path,
-    *,
-    steps: int | None = None,
-    seed: int = 0,
-    scale_servers: float = 1.0,
-    scale_batch: float = 1.0,
-    max_waste: float | None = None,
-    max_staleness: int | None = None,
-    grid: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Fit, replay the recorded setting and the candidates, recommend one; a dict of it all."""
-    workload = read_workload(run_dir)
-    f = fit(workload).scaled(scale_servers, scale_batch)
-    n = steps if steps is not None else min(60, max(1, len(workload.steps)))
+def replay_rows(
+    f: Fit, settings: Sequence[Candidate], steps: int, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Replay each setting on `f`: one row of figures each, with its speedup over the first
+    classic sync among them."""
     rows = []
     classic_s = None
-    for c in [recorded_candidate(f), *candidates(f, **(grid or {}))]:
-        out = replay(f, c, n, seed)
+    for c in settings:
+        out = replay(f, c, steps, seed)
         if classic_s is None and c.classic:
             classic_s = out["step_s"]
         rows.append(
@@ -202,7 +192,74 @@ def plan(
         )
     for r in rows:
         r["speedup"] = round(classic_s / r["step_s"], 3) if classic_s else None
+    return rows
+
+
+def device_splits(
+    f: Fit,
+    devices: int,
+    recorded: tuple[int, int],
+    steps: int,
+    seed: int,
+    budget: tuple[float | None, int | None],
+    grid: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """For each split of `devices` between generation and training (the record had `recorded`:
+    generation's, training's), the fastest candidate within `budget` (max waste, staleness)."""
+    out = []
+    for gen in range(1, devices):
+        train = devices - gen
+        split = f.on_devices(gen / recorded[0], train / recorded[1])
+        rows = replay_rows(split, candidates(split, **(grid or {})), steps, seed)
+        out.append(
+            {
+                "generation_devices": gen,
+                "training_devices": train,
+                "best": recommend(rows, *budget),
+            }
+        )
+    return out
+
+
+def plan(
+    run_dir: Path,
+    *,
+    steps: int | None = None,
+    seed: int = 0,
+    scale_servers: float = 1.0,
+    scale_batch: float = 1.0,
+    max_waste: float | None = None,
+    max_staleness: int | None = None,
+    grid: dict[str, Any] | None = None,
+    devices: int | None = None,
+    recorded_devices: tuple[int, int] = (1, 1),
+) -> dict[str, Any]:
+    """Fit, replay the recorded setting and the candidates, recommend one; with `devices`, also
+    the best setting for each split of that many devices between generation and training (the
+    record's split: `recorded_devices`). A dict of it all."""
+    if devices is not None and devices < 2:
+        raise ConfigError(f"--devices {devices}: a split needs 2 devices or more")
+    if min(recorded_devices) < 1:
+        raise ConfigError(
+            f"--recorded-devices {recorded_devices[0]}:{recorded_devices[1]}: give the recorded "
+            "run's generation and training devices, each 1 or more (1:1 for one shared device)"
+        )
+    workload = read_workload(run_dir)
+    f = fit(workload).scaled(scale_servers, scale_batch)
+    n = steps if steps is not None else min(60, max(1, len(workload.steps)))
+    rows = replay_rows(f, [recorded_candidate(f), *candidates(f, **(grid or {}))], n, seed)
     recorded, table = rows[0], rows[1:]
+    splits = None
+    if devices is not None:
+        budget = (max_waste, max_staleness)
+        found = device_splits(f, devices, recorded_devices, n, seed, budget, grid)
+        fits = [s for s in found if s["best"] is not None]
+        splits = {
+            "devices": devices,
+            "recorded_devices": list(recorded_devices),
+            "splits": found,
+            "recommendation": min(fits, key=lambda s: s["best"]["step_s"]) if fits else None,
+        }
     peak = ps_rate(int(f.meta["max_concurrency"]), f.rmax, f.n_half)
     other = None
     if f.other is not None:
@@ -235,6 +292,7 @@ def plan(
         "candidates": table,
         "budget": {"max_waste": max_waste, "max_staleness": max_staleness},
         "recommendation": recommend(table, max_waste, max_staleness),
+        "device_splits": splits,
     }
 
 
@@ -283,7 +341,39 @@ def render(result: dict[str, Any]) -> str:
             f"rollout.max_concurrency={rec_row['max_concurrency']} "
             f"({rec_row['step_s']:.3f} s/step, {rec_row['speedup']}x over classic sync)"
         )
+    if result["device_splits"] is not None:
+        lines += _render_splits(result["device_splits"], limits)
     return "\n".join(lines)
+
+
+def _render_splits(splits: dict[str, Any], limits: str) -> list[str]:
+    gen, train = splits["recorded_devices"]
+    lines = [
+        f"{splits['devices']} devices split between generation and training (the record had "
+        f"{gen} and {train}; each split on devices of its own):"
+    ]
+    lines.append(
+        f"  {'gen':>4} {'train':>5}  {'best setting':<22} {'conc':>5} {'s/step':>9} {'waste':>7}"
+    )
+    for s in splits["splits"]:
+        best = s["best"]
+        if best is None:
+            lines.append(f"  {s['generation_devices']:>4} {s['training_devices']:>5}  none fits")
+            continue
+        lines.append(
+            f"  {s['generation_devices']:>4} {s['training_devices']:>5}  {best['setting']:<22} "
+            f"{best['max_concurrency']:>5} {best['step_s']:>9.3f} {best['waste']:>7.2%}"
+        )
+    rec = splits["recommendation"]
+    if rec is None:
+        lines.append(f"no split has a candidate within the budget ({limits})")
+    else:
+        lines.append(
+            f"recommended split: {rec['generation_devices']} for generation, "
+            f"{rec['training_devices']} for training, {rec['best']['setting']} at concurrency "
+            f"{rec['best']['max_concurrency']} ({rec['best']['step_s']:.3f} s/step)"
+        )
+    return lines
 
 
 def _null(value: int | None) -> str:

@@ -89,6 +89,39 @@ class Fit:
             None if self.other is None else self.other.scaled(servers, batch),
         )
 
+    def on_devices(self, gen: float, train: float) -> Fit:
+        """This workload with generation and training each on devices of its own, `gen` and
+        `train` times the devices each had in the record: the decode rate and concurrency scale
+        with `gen` (as `scaled`), training tokens/s with `train`, from the speeds each had alone
+        where the recorded device was shared; neither slows the other."""
+        alone = self.other if self.other is not None else self
+        meta = dict(self.meta)
+        meta["max_concurrency"] = max(1, round(meta["max_concurrency"] * gen))
+        assumed = [
+            *self.assumed,
+            f"{gen:g}x the generation devices and {train:g}x the training devices, each on "
+            "devices of its own: decode rate and concurrency scale linearly with the first, "
+            "training tokens/s with the second (perfect data parallelism), optimizer-step and "
+            "weight-sync times stay as measured, and neither slows the other",
+        ]
+        return Fit(
+            self.lengths,
+            alone.rmax * gen,
+            self.n_half * gen,
+            alone.train_rate * train,
+            self.t_optim,
+            self.t_sync,
+            meta,
+            math.nan,
+            self.filter_rate,
+            1.0,
+            self.sync_share,
+            list(self.measured),
+            assumed,
+            1.0,
+            False,
+        )
+
 
 def fit(workload: Workload) -> Fit:
     """Fit the sim backend's parameters to a recorded workload."""

@@ -236,3 +236,55 @@ def test_the_backend_in_the_runs_config_says_whether_the_device_was_shared() -> 
     assert shared({"name": "local", "no_such_option": 1}) is None
     assert shared({"name": "no_such_backend"}) is None
     assert shared(None) is None
+
+
+def test_a_split_scales_each_side_from_its_speed_alone(small_run: Path) -> None:
+    f = fit(read_workload(small_run))
+    split = f.on_devices(2.0, 3.0)
+    assert split.rmax == pytest.approx(2 * f.rmax) and split.n_half == pytest.approx(2 * f.n_half)
+    assert split.train_rate == pytest.approx(3 * f.train_rate)
+    assert split.meta["max_concurrency"] == 2 * f.meta["max_concurrency"]
+    assert (split.train_share, split.learner_share, split.shared_device) == (1.0, 1.0, False)
+    assert any("training devices" in a for a in split.assumed)
+    # A record from a shared device: each side's speed alone is the other mode's fit's.
+    alone = dataclasses.replace(f, rmax=2 * f.rmax, train_rate=5 * f.train_rate)
+    shared = dataclasses.replace(f, shared_device=True, train_share=0.5, other=alone)
+    split = shared.on_devices(1.0, 1.0)
+    assert split.rmax == pytest.approx(alone.rmax) and split.train_rate == alone.train_rate
+    assert split.train_share == 1.0 and split.other is None
+
+
+@pytest.mark.parametrize(("train_ratio", "more_for"), [(0.1, "generation"), (3.0, "training")])
+def test_the_best_split_gives_more_devices_to_the_side_that_takes_longer(
+    tmp_path: Path, train_ratio: float, more_for: str
+) -> None:
+    run = _record(
+        tmp_path,
+        "train.total_steps=8",
+        "train.groups_per_step=8",
+        "backend.slots=128",
+        "rollout.max_concurrency=128",
+        f"backend.train_ratio={train_ratio}",
+        "coordinator.pipeline_depth=1",
+        "coordinator.max_staleness=null",
+    )
+    grid = {"depths": [1, 2], "bounds": ["none"], "concurrency": [1.0]}
+    result = plan(run, steps=8, grid=grid, devices=6, max_staleness=2)
+    splits = result["device_splits"]
+    assert [(s["generation_devices"], s["training_devices"]) for s in splits["splits"]] == [
+        (g, 6 - g) for g in range(1, 6)
+    ]
+    best = splits["recommendation"]
+    assert best["best"]["staleness_max"] <= 2
+    assert best["best"]["step_s"] == min(s["best"]["step_s"] for s in splits["splits"])
+    gen, train = best["generation_devices"], best["training_devices"]
+    assert gen > train if more_for == "generation" else train > gen
+
+
+def test_the_command_refuses_a_split_it_cannot_read(
+    small_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", str(small_run), "--devices", "4", "--recorded-devices", "1x1"]) == 2
+    assert "GEN:TRAIN" in capsys.readouterr().err
+    assert main(["plan", str(small_run), "--devices", "1"]) == 2
+    assert "2 devices or more" in capsys.readouterr().err
