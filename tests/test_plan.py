@@ -189,8 +189,8 @@ def test_the_fit_measures_the_learners_share_beside_generation_from_a_sync_recor
         *shares,
     )
     f = fit(read_workload(run))
-    assert f.other is not None and f.other.learner_share == pytest.approx(0.4)
-    assert any("complement of decoding's share" in a for a in f.assumed)
+    assert f.other is not None and f.other.learner_share == pytest.approx(0.6)
+    assert any("the share decoding keeps beside training" in a for a in f.assumed)
 
 
 def test_a_plan_on_a_shared_device_predicts_the_other_mode(tmp_path: Path) -> None:
