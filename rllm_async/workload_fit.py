@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from rllm_async.backends import get_backend_factory
 from rllm_async.config import ConfigError
 from rllm_async.workload_record import OFFSETS, RolloutRow, StepRow, Workload
 
@@ -228,14 +229,12 @@ def shared_device(workload: Workload) -> bool | None:
     """Whether the recorded run's generation and training shared one device, as its backend
     tells from the run's `config.yaml` (None: no config beside the record, or a backend that
     cannot tell)."""
-    from importlib.metadata import entry_points
-
     backend = dict((workload.config or {}).get("backend") or {})
-    name = backend.pop("name", None)
-    found = [e for e in entry_points(group="rllm_async.backends") if e.name == name]
-    if not found:
+    try:
+        factory = get_backend_factory(str(backend.pop("name", None)))
+    except ConfigError:  # not installed where the plan runs
         return None
-    shares = getattr(found[0].load(), "shares_device", None)
+    shares = getattr(factory, "shares_device", None)
     try:
         return None if shares is None else shares(backend)
     except ValueError:  # options of another version of the backend
