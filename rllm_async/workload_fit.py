@@ -183,6 +183,9 @@ def fit(workload: Workload) -> Fit:
             f"({min(active):.0f}-{max(active):.0f} active), so n_half = {n_half:g} is assumed "
             "and rmax follows from it"
         )
+    slots = engine_slots(workload)
+    if slots is not None and int(meta["max_concurrency"]) > slots:
+        assumed.append(_beyond_slots(slots, int(meta["max_concurrency"]), active))
     tokens = sum(s.tokens for s in steps)
     train_s = sum(s.train_s for s in steps)
     train_rate = tokens / train_s if train_s > 0 else 1e12
@@ -239,6 +242,71 @@ def shared_device(workload: Workload) -> bool | None:
         return None if shares is None else shares(backend)
     except ValueError:  # options of another version of the backend
         return None
+
+
+def engine_slots(workload: Workload) -> int | None:
+    """The most sequences the recorded run's engine decoded together, from its `config.yaml`:
+    the sim's `slots`, the local sampler's `max_batch`, or `--max-num-seqs` in the `extra_args`
+    of the vLLM servers the run started, times their number (None: not in the config, servers of
+    the user's own, or a backend not installed where the plan runs)."""
+    backend = dict((workload.config or {}).get("backend") or {})
+    try:
+        factory = get_backend_factory(str(backend.pop("name", None)))
+        options = getattr(factory, "options", None)
+        opts = None if options is None else options.model_validate(backend)
+    except (ConfigError, ValueError):  # not installed here, or options of another version
+        return None
+    if opts is None:
+        return None
+    if hasattr(opts, "slots"):
+        return int(opts.slots)
+    rollout = getattr(opts, "rollout", "local")
+    if rollout == "local" and hasattr(opts, "max_batch"):
+        return int(opts.max_batch)
+    vllm = getattr(opts, "vllm", None)
+    if rollout != "vllm" or vllm is None or vllm.urls:
+        return None
+    per_server = _int_flag(list(vllm.extra_args), "--max-num-seqs")
+    return None if per_server is None else per_server * int(vllm.servers)
+
+
+def _int_flag(args: list[str], name: str) -> int | None:
+    """The integer value of the command-line flag `name` in `args` (None where it is absent)."""
+    for i, arg in enumerate(args):
+        if arg.startswith(f"{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        else:
+            continue
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(
+                f"backend.vllm.extra_args: {name} {value!r} is not an integer"
+            ) from None
+    return None
+
+
+def _beyond_slots(slots: int, concurrency: int, active: list[float]) -> str:
+    """What the replay assumes where more rollouts may be in flight than the engine decodes
+    together: the rate as fitted on the rollouts in flight, for all of them."""
+    head = (
+        f"the engine decodes at most {slots} sequences together (the run's config), the rest "
+        f"waiting their turn; the replay shares R(n) over all rollouts in flight, up to "
+        f"{concurrency}"
+    )
+    over = sum(a > slots for a in active) / len(active)
+    if over < SEEN:
+        return (
+            f"{head}, extrapolating R(n) above the {max(active):.0f} in flight it was fitted on "
+            f"(above {slots} the engine's rate stays R({slots}))"
+        )
+    return (
+        f"{head}: {over:.0%} of the rollouts had more than {slots} in flight on average, so R(n) "
+        f"is the engine's rate at {slots} shared with those waiting, and its shape below {slots}, "
+        "which the other mode or a lower concurrency replays, is hardly seen"
+    )
 
 
 def _overlap(rows: list[RolloutRow], n_half: float) -> float:

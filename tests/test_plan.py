@@ -10,6 +10,7 @@ import pytest
 
 from rllm_async.backends.sim import SimBackend, workload_config
 from rllm_async.cli import main
+from rllm_async.config import ConfigError
 from rllm_async.plan import (
     Candidate,
     fit,
@@ -21,7 +22,7 @@ from rllm_async.plan import (
 )
 from rllm_async.simulate import QUIET
 from rllm_async.trainer import UnifiedTrainer
-from rllm_async.workload_fit import shared_device
+from rllm_async.workload_fit import engine_slots, shared_device
 from rllm_async.workload_record import Workload, read_workload
 
 # W1 (32 groups of 8 per step): smaller batches make one run's step time vary by +-5% with the
@@ -236,6 +237,49 @@ def test_the_backend_in_the_runs_config_says_whether_the_device_was_shared() -> 
     assert shared({"name": "local", "no_such_option": 1}) is None
     assert shared({"name": "no_such_backend"}) is None
     assert shared(None) is None
+
+
+def test_the_runs_config_tells_how_many_sequences_the_engine_decodes_together() -> None:
+    def slots(backend: dict[str, object] | None) -> int | None:
+        config = None if backend is None else {"backend": backend}
+        return engine_slots(Workload({"mode": "async"}, config=config))
+
+    assert slots({"name": "local", "max_batch": 128, "device": "cuda"}) == 128
+    assert slots({"name": "local"}) == 32  # the local backend's default max_batch
+    assert slots({"name": "sim", "slots": 64}) == 64
+    vllm = {"name": "local", "rollout": "vllm"}
+    flag = ["--enforce-eager", "--max-num-seqs", "48"]
+    assert slots({**vllm, "vllm": {"servers": 2, "extra_args": flag}}) == 96
+    assert slots({**vllm, "vllm": {"extra_args": ["--max-num-seqs=48"]}}) == 48
+    assert slots(vllm) is None  # vLLM's own default, not in the config
+    assert slots({**vllm, "vllm": {"urls": ["http://h:8000"], "extra_args": flag}}) is None
+    assert slots({"name": "no_such_backend"}) is None and slots(None) is None
+    with pytest.raises(ConfigError, match="--max-num-seqs 'many' is not an integer"):
+        slots({**vllm, "vllm": {"extra_args": ["--max-num-seqs", "many"]}})
+
+
+def test_the_plan_says_where_more_rollouts_are_in_flight_than_the_engine_decodes(
+    small_run: Path,
+) -> None:
+    # 128 rollouts in flight (8 groups of 8, two steps ahead) on 128 decode slots: told with
+    # fewer slots or more concurrency than the record had, the fit names what it extrapolates
+    # and changes no number.
+    workload = read_workload(small_run)
+    plain = fit(workload)
+    assert not any("decodes at most" in a for a in plain.assumed)
+    workload.config = {"backend": {"name": "sim", "slots": 64}}
+    fewer = fit(workload)
+    said = [a for a in fewer.assumed if "decodes at most 64 sequences" in a]
+    assert len(said) == 1 and "its shape below 64" in said[0] and "hardly seen" in said[0]
+    assert (fewer.rmax, fewer.n_half, fewer.train_rate) == (
+        plain.rmax,
+        plain.n_half,
+        plain.train_rate,
+    )
+    workload.config = {"backend": {"name": "sim", "slots": 128}}
+    workload.meta["max_concurrency"] = 512
+    said = [a for a in fit(workload).assumed if "decodes at most 128 sequences" in a]
+    assert len(said) == 1 and "up to 512, extrapolating R(n) above the" in said[0]
 
 
 def test_a_split_scales_each_side_from_its_speed_alone(small_run: Path) -> None:
