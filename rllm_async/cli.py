@@ -101,6 +101,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             grid=grid,
             devices=args.devices,
             recorded_devices=_devices_pair(args.recorded_devices),
+            twin=None if args.twin is None else Path(args.twin),
         )
     except FileNotFoundError as e:
         raise DataError(str(e)) from None
@@ -253,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--recorded-devices",
         default="1:1",
         help="GEN:TRAIN devices of the recorded run (1:1: one device, shared or not)",
+    )
+    pl.add_argument(
+        "--twin",
+        default=None,
+        metavar="RUN_DIR",
+        help="a run of the same job in the other mode: that mode is replayed from its record",
     )
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("--json", action="store_true", help="print one JSON line")

@@ -233,10 +233,17 @@ def plan(
     grid: dict[str, Any] | None = None,
     devices: int | None = None,
     recorded_devices: tuple[int, int] = (1, 1),
+    twin: Path | None = None,
 ) -> dict[str, Any]:
     """Fit, replay the recorded setting and the candidates, recommend one; with `devices`, also
     the best setting for each split of that many devices between generation and training (the
-    record's split: `recorded_devices`). A dict of it all."""
+    record's split: `recorded_devices`); with `twin`, a run of the same job in the other mode,
+    that mode is replayed from its record (and its recorded setting too). A dict of it all."""
+    if twin is not None and devices is not None:
+        raise ConfigError(
+            "--devices with --twin: a split starts from each side's speed alone, which a "
+            "shared device's record models for both modes; plan the split from one record"
+        )
     if devices is not None and devices < 2:
         raise ConfigError(f"--devices {devices}: a split needs 2 devices or more")
     if min(recorded_devices) < 1:
@@ -245,10 +252,27 @@ def plan(
             "run's generation and training devices, each 1 or more (1:1 for one shared device)"
         )
     workload = read_workload(run_dir)
-    f = fit(workload).scaled(scale_servers, scale_batch)
+    if twin is None:
+        f = fit(workload)
+    else:
+        f = fit(workload, read_workload(twin), f"the twin record {twin}")
+    f = f.scaled(scale_servers, scale_batch)
     n = steps if steps is not None else min(60, max(1, len(workload.steps)))
-    rows = replay_rows(f, [recorded_candidate(f), *candidates(f, **(grid or {}))], n, seed)
-    recorded, table = rows[0], rows[1:]
+    recorded_settings = [recorded_candidate(f)]
+    if twin is not None:
+        assert f.other is not None  # the twin's fit
+        recorded_settings.append(recorded_candidate(f.other))
+    settings = [*recorded_settings, *candidates(f, **(grid or {}))]
+    rows = replay_rows(f, settings, n, seed)
+    recorded, table = rows[0], rows[len(recorded_settings) :]
+    twin_row = None
+    if twin is not None:
+        assert f.other is not None
+        twin_row = {
+            **rows[1],
+            "record": str(twin),
+            "measured_step_s": round(f.other.measured_step_s, 4),
+        }
     splits = None
     if devices is not None:
         budget = (max_waste, max_staleness)
@@ -262,7 +286,7 @@ def plan(
         }
     peak = ps_rate(int(f.meta["max_concurrency"]), f.rmax, f.n_half)
     other = None
-    if f.other is not None:
+    if f.other is not None and twin is None:
         other = {
             "mode": "sync" if f.meta["mode"] != "sync" else "async",
             "train_tok_s_alone": round(f.other.train_rate, 1),
@@ -289,6 +313,7 @@ def plan(
         "measured": f.measured,
         "assumed": f.assumed,
         "recorded": {**recorded, "measured_step_s": round(f.measured_step_s, 4)},
+        "twin": twin_row,
         "candidates": table,
         "budget": {"max_waste": max_waste, "max_staleness": max_staleness},
         "recommendation": recommend(table, max_waste, max_staleness),
@@ -314,6 +339,14 @@ def render(result: dict[str, Any]) -> str:
         lines.append(
             f"recorded setting ({rec['setting']}, concurrency {rec['max_concurrency']}): "
             f"measured {rec['measured_step_s']:.3f} s/step, replayed {rec['step_s']:.3f} s/step "
+            f"({err:+.1%})"
+        )
+    twin = result["twin"]
+    if twin is not None and not math.isnan(twin["measured_step_s"]):
+        err = twin["step_s"] / twin["measured_step_s"] - 1
+        lines.append(
+            f"twin's recorded setting ({twin['setting']}, concurrency {twin['max_concurrency']}): "
+            f"measured {twin['measured_step_s']:.3f} s/step, replayed {twin['step_s']:.3f} s/step "
             f"({err:+.1%})"
         )
     head = "setting", "conc", "s/step", "speedup", "waste", "stale p50/p90/max", "viol"

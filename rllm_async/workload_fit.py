@@ -6,7 +6,8 @@ what it measured and what it assumed, in words.
 Where generation and training shared one device, each slows the other, and a record shows the
 speeds of its own mode's overlap only. Its own mode is replayed as recorded; the other mode (sync
 from an async record, async from a sync one) from the speeds each has alone and the shares of them
-each keeps beside the other (`Fit.other`)."""
+each keeps beside the other (`Fit.other`). Given a record of the same job in the other mode (a
+twin), that mode is replayed from the twin's own fit instead."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ DEFAULT_N_HALF = 64.0
 SHARED_SHARE = 0.5
 # A phase must hold this part of generation (or of training) for its share to be measured.
 SEEN = 0.1
+# What a twin record must share with the record it completes: the job, whatever the mode.
+JOB_KEYS = ("groups_per_step", "group_size", "max_tokens")
 ALONE_OR_NOT = "training seconds per token are what this run measured, beside generation or not"
 
 
@@ -48,7 +51,8 @@ class Fit:
     assumed: list[str] = field(default_factory=list)
     learner_share: float = 1.0  # of the training speed, while generation decodes
     shared_device: bool | None = None  # None: the record does not say
-    # The fit that replays the other mode than the recorded one, where the device was shared.
+    # The fit that replays the other mode than the recorded one: a twin record's, or where the
+    # device was shared, this record's speeds alone and the shares each keeps beside the other.
     other: Fit | None = None
 
     def for_mode(self, mode: str) -> Fit:
@@ -124,8 +128,37 @@ class Fit:
         )
 
 
-def fit(workload: Workload) -> Fit:
-    """Fit the sim backend's parameters to a recorded workload."""
+def fit(workload: Workload, twin: Workload | None = None, twin_name: str = "the twin") -> Fit:
+    """Fit the sim backend's parameters to a recorded workload; with `twin`, a record of the same
+    job in the other mode (named `twin_name` in what is measured and assumed), that mode is
+    replayed from the twin's own fit rather than modelled from this record."""
+    if twin is None:
+        return _fit(workload, model_other_mode=True)
+    own = _fit(workload, model_other_mode=False)
+    other = _fit(twin, model_other_mode=False)
+    mine, theirs = own.meta, other.meta
+    if mine["mode"] == theirs["mode"]:
+        raise ConfigError(
+            f"both records ran mode: {mine['mode']}; give a record of the same job in the other "
+            "mode as the twin (or plan from one record)"
+        )
+    differ = [k for k in JOB_KEYS if mine.get(k) != theirs.get(k)]
+    if differ:
+        said = ", ".join(f"{k} {mine.get(k)} and {theirs.get(k)}" for k in differ)
+        raise ConfigError(
+            f"the records ran different jobs ({said}): give a twin that ran the same job in the "
+            "other mode"
+        )
+    say = f"replays of {theirs['mode']} mode, from {twin_name}"
+    own.measured += [f"{say}: {m}" for m in other.measured]
+    own.assumed += [f"{say}: {a}" for a in other.assumed]
+    own.other = other
+    return own
+
+
+def _fit(workload: Workload, *, model_other_mode: bool) -> Fit:
+    """`fit` of one record; with `model_other_mode`, `Fit.other` from its own speeds where the
+    device was shared, and an "assumed" line where the record cannot tell."""
     rows = [r for r in workload.rollouts if r.completion > 0 and r.end > r.start]
     steps = workload.steps
     if not rows or not steps:
@@ -215,6 +248,8 @@ def fit(workload: Workload) -> Fit:
         assumed=assumed,
         shared_device=shared_device(workload),
     )
+    if not model_other_mode:
+        return own
     if own.shared_device:
         mode = meta["mode"]
         assumed[assumed.index(ALONE_OR_NOT)] = f"replays of {mode} mode: {ALONE_OR_NOT}"

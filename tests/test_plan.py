@@ -332,3 +332,38 @@ def test_the_command_refuses_a_split_it_cannot_read(
     assert "GEN:TRAIN" in capsys.readouterr().err
     assert main(["plan", str(small_run), "--devices", "1"]) == 2
     assert "2 devices or more" in capsys.readouterr().err
+
+
+def test_a_twin_record_replays_the_other_mode_from_its_own_fit(
+    async_run: Path, sync_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    grid = {"depths": [2], "bounds": ["none"], "concurrency": [1.0]}
+    result = plan(async_run, twin=sync_run, grid=grid)
+    twin_fit = fit(read_workload(sync_run))
+    alone = replay(twin_fit, recorded_candidate(twin_fit), result["steps"])["step_s"]
+    twin = result["twin"]
+    assert twin["setting"] == "sync" and twin["step_s"] == pytest.approx(alone, abs=1e-4)
+    assert twin["measured_step_s"] == pytest.approx(twin_fit.measured_step_s, abs=1e-4)
+    assert twin["step_s"] == pytest.approx(twin["measured_step_s"], rel=0.05)
+    sync_row = next(r for r in result["candidates"] if r["setting"] == "sync")
+    assert sync_row["step_s"] == twin["step_s"]
+    assert any(
+        m.startswith("replays of sync mode, from the twin record") for m in result["measured"]
+    )
+    own = plan(async_run, grid=grid)
+    assert own["twin"] is None and own["recorded"]["step_s"] == result["recorded"]["step_s"]
+    argv = ["plan", str(sync_run), "--twin", str(async_run), "--depths", "2", "--bounds", "none"]
+    assert main([*argv, "--concurrency", "1"]) == 0
+    assert "twin's recorded setting (d=2 K=none" in capsys.readouterr().out
+
+
+def test_the_plan_refuses_a_twin_of_the_same_mode_another_job_or_a_split(
+    async_run: Path, sync_run: Path, small_run: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match="both records ran mode: async"):
+        plan(async_run, twin=small_run)
+    other_job = _record(tmp_path, "mode=sync", "train.total_steps=2", "train.groups_per_step=8")
+    with pytest.raises(ConfigError, match="different jobs \\(groups_per_step 32 and 8\\)"):
+        plan(async_run, twin=other_job)
+    with pytest.raises(ConfigError, match="--devices with --twin"):
+        plan(async_run, twin=sync_run, devices=4)
