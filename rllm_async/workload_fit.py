@@ -265,62 +265,32 @@ def _fit(workload: Workload, *, model_other_mode: bool) -> Fit:
 
 def shared_device(workload: Workload) -> bool | None:
     """Whether the recorded run's generation and training shared one device, as its backend
-    tells from the run's `config.yaml` (None: no config beside the record, or a backend that
-    cannot tell)."""
-    backend = dict((workload.config or {}).get("backend") or {})
-    try:
-        factory = get_backend_factory(str(backend.pop("name", None)))
-    except ConfigError:  # not installed where the plan runs
-        return None
-    shares = getattr(factory, "shares_device", None)
-    try:
-        return None if shares is None else shares(backend)
-    except ValueError:  # options of another version of the backend
-        return None
+    tells from the run's `config.yaml` (`shares_device`)."""
+    answer = _ask_backend(workload, "shares_device")
+    return None if answer is None else bool(answer)
 
 
 def engine_slots(workload: Workload) -> int | None:
-    """The most sequences the recorded run's engine decoded together, from its `config.yaml`:
-    the sim's `slots`, the local sampler's `max_batch`, or `--max-num-seqs` in the `extra_args`
-    of the vLLM servers the run started, times their number (None: not in the config, servers of
-    the user's own, or a backend not installed where the plan runs)."""
+    """The most sequences the recorded run's engine decoded together, as its backend tells from
+    the run's `config.yaml` (`decode_slots`)."""
+    answer = _ask_backend(workload, "decode_slots")
+    return None if answer is None else int(answer)
+
+
+def _ask_backend(workload: Workload, question: str) -> Any:
+    """What the recorded run's backend class answers to `question(options)` about its `backend:`
+    options; None where no config lies beside the record, the backend is not installed where the
+    plan runs or does not answer, or the options are of another version of it."""
     backend = dict((workload.config or {}).get("backend") or {})
     try:
         factory = get_backend_factory(str(backend.pop("name", None)))
-        options = getattr(factory, "options", None)
-        opts = None if options is None else options.model_validate(backend)
-    except (ConfigError, ValueError):  # not installed here, or options of another version
+    except ConfigError:
         return None
-    if opts is None:
+    ask = getattr(factory, question, None)
+    try:
+        return None if ask is None else ask(backend)
+    except ValueError:
         return None
-    if hasattr(opts, "slots"):
-        return int(opts.slots)
-    rollout = getattr(opts, "rollout", "local")
-    if rollout == "local" and hasattr(opts, "max_batch"):
-        return int(opts.max_batch)
-    vllm = getattr(opts, "vllm", None)
-    if rollout != "vllm" or vllm is None or vllm.urls:
-        return None
-    per_server = _int_flag(list(vllm.extra_args), "--max-num-seqs")
-    return None if per_server is None else per_server * int(vllm.servers)
-
-
-def _int_flag(args: list[str], name: str) -> int | None:
-    """The integer value of the command-line flag `name` in `args` (None where it is absent)."""
-    for i, arg in enumerate(args):
-        if arg.startswith(f"{name}="):
-            value = arg.split("=", 1)[1]
-        elif arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        else:
-            continue
-        try:
-            return int(value)
-        except ValueError:
-            raise ConfigError(
-                f"backend.vllm.extra_args: {name} {value!r} is not an integer"
-            ) from None
-    return None
 
 
 def _beyond_slots(slots: int, concurrency: int, active: list[float]) -> str:

@@ -254,8 +254,7 @@ def test_the_runs_config_tells_how_many_sequences_the_engine_decodes_together() 
     assert slots(vllm) is None  # vLLM's own default, not in the config
     assert slots({**vllm, "vllm": {"urls": ["http://h:8000"], "extra_args": flag}}) is None
     assert slots({"name": "no_such_backend"}) is None and slots(None) is None
-    with pytest.raises(ConfigError, match="--max-num-seqs 'many' is not an integer"):
-        slots({**vllm, "vllm": {"extra_args": ["--max-num-seqs", "many"]}})
+    assert slots({**vllm, "vllm": {"extra_args": ["--max-num-seqs", "many"]}}) is None
 
 
 def test_the_plan_says_where_more_rollouts_are_in_flight_than_the_engine_decodes(

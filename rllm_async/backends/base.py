@@ -159,7 +159,10 @@ class BackendFactory(Protocol):
 
     `options` validates the backend-specific keys of the `backend:` config section; an option the
     backend cannot honour is refused in `from_config` with an error naming what to use instead.
-    `virtual_clock` asks the runner for an event loop whose clock is simulated.
+    `virtual_clock` asks the runner for an event loop whose clock is simulated. Optionally, for
+    `rllm-async plan` on a recorded run, classmethods answering from its `backend:` options:
+    `shares_device(options) -> bool | None` (generation and training on one device) and
+    `decode_slots(options) -> int | None` (the most sequences decoded together); None: cannot tell.
     """
 
     options: ClassVar[type[BaseModel]]

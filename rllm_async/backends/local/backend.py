@@ -67,6 +67,13 @@ class LocalBackend:
         opts = LocalOptions.model_validate(options)
         return True if opts.rollout == "local" else None
 
+    @classmethod
+    def decode_slots(cls, options: dict[str, Any]) -> int | None:
+        """The most sequences decoded together under these `backend:` options: the sampler's
+        `max_batch`, or what the vLLM servers' options say (`VLLMOptions.decode_slots`)."""
+        opts = LocalOptions.model_validate(options)
+        return opts.max_batch if opts.rollout == "local" else opts.vllm.decode_slots
+
     def __init__(self, config: Config, opts: LocalOptions) -> None:
         self.opts = opts
         self.device = device_of(opts.device)

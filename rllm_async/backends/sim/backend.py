@@ -144,6 +144,11 @@ class SimBackend:
         opts = SimOptions.model_validate(options)
         return opts.train_share < 1.0 or opts.learner_share < 1.0
 
+    @classmethod
+    def decode_slots(cls, options: dict[str, Any]) -> int | None:
+        """The most sequences the simulated engine decodes together under these options."""
+        return SimOptions.model_validate(options).slots
+
     async def _beside_generation(self, seconds: float, share: float, learner: bool = False) -> None:
         """Take `seconds` during which generation decodes at `share` of its rate; with `learner`,
         they are seconds of learner work, which slows beside generation (`_learner_time`)."""

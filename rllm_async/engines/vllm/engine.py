@@ -67,6 +67,20 @@ class VLLMOptions(BaseModel):
             )
         return self
 
+    @property
+    def decode_slots(self) -> int | None:
+        """The most sequences the started servers decode together, where `extra_args` sets
+        `--max-num-seqs` (None: servers of your own, or vLLM's default); ValueError where it is
+        not an integer."""
+        if self.urls:
+            return None
+        for i, arg in enumerate(self.extra_args):
+            if arg.startswith("--max-num-seqs="):
+                return int(arg.split("=", 1)[1]) * self.servers
+            if arg == "--max-num-seqs" and i + 1 < len(self.extra_args):
+                return int(self.extra_args[i + 1]) * self.servers
+        return None
+
 
 class VLLMEngine:
     """vLLM servers holding the learner's weights, and `policy`, the client that samples from them.
