@@ -258,21 +258,15 @@ def plan(
         f = fit(workload, read_workload(twin), f"the twin record {twin}")
     f = f.scaled(scale_servers, scale_batch)
     n = steps if steps is not None else min(60, max(1, len(workload.steps)))
-    recorded_settings = [recorded_candidate(f)]
-    if twin is not None:
-        assert f.other is not None  # the twin's fit
-        recorded_settings.append(recorded_candidate(f.other))
+    twin_fit = f.other if twin is not None else None
+    recorded_settings = [recorded_candidate(g) for g in (f, twin_fit) if g is not None]
     settings = [*recorded_settings, *candidates(f, **(grid or {}))]
     rows = replay_rows(f, settings, n, seed)
     recorded, table = rows[0], rows[len(recorded_settings) :]
     twin_row = None
-    if twin is not None:
-        assert f.other is not None
-        twin_row = {
-            **rows[1],
-            "record": str(twin),
-            "measured_step_s": round(f.other.measured_step_s, 4),
-        }
+    if twin_fit is not None:
+        measured = round(twin_fit.measured_step_s, 4)
+        twin_row = {**rows[1], "record": str(twin), "measured_step_s": measured}
     splits = None
     if devices is not None:
         budget = (max_waste, max_staleness)
