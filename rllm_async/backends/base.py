@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -36,16 +36,29 @@ class SamplingParams:
     # (`{"json": schema}`, `{"json_object": true}`); only a policy whose `constrains_decoding` is
     # true samples with one (the gateway's `response_format` on the vLLM engine).
     structured: str | None = None
+    # The copies `updated` made, by their changes: a run's rollouts ask for the same few again and
+    # again, every model call (not a field: no part of equality, hashing or the constructor).
+    _copies: dict[tuple[Any, ...], SamplingParams] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def updated(self, **changes: Any) -> SamplingParams:
-        """A copy with `changes` applied (a hot path: cheaper than dataclasses.replace)."""
+        """A copy with `changes` applied, made once for each distinct `changes` (a hot path)."""
         if not changes:
             return self
+        # The values' types too: max_tokens=4.0 must not come back as the copy made for 4.
+        key = (*changes.items(), *map(type, changes.values()))
+        try:
+            return self._copies[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable value (`stop` as a list): not kept
+            key = ()
         if not changes.keys() <= _SAMPLING_FIELDS:
             unknown = changes.keys() - _SAMPLING_FIELDS
             raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
         get = changes.get
-        return SamplingParams(
+        copy = SamplingParams(
             get("temperature", self.temperature),
             get("top_p", self.top_p),
             get("max_tokens", self.max_tokens),
@@ -54,8 +67,14 @@ class SamplingParams:
             get("priority", self.priority),
             get("structured", self.structured),
         )
+        if key:
+            if len(self._copies) >= _MAX_COPIES:
+                self._copies.clear()
+            self._copies[key] = copy
+        return copy
 
 
+_MAX_COPIES = 1024  # distinct changes kept per SamplingParams
 _SAMPLING_FIELDS = frozenset(
     ("temperature", "top_p", "max_tokens", "stop", "seed", "priority", "structured")
 )
