@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,12 +18,13 @@ from rllm_async.plan import (
     plan,
     recorded_candidate,
     replay,
+    replay_rows,
     sim_config,
     workflow,
 )
 from rllm_async.simulate import QUIET
 from rllm_async.trainer import UnifiedTrainer
-from rllm_async.workload_fit import engine_slots, shared_device
+from rllm_async.workload_fit import Fit, engine_slots, shared_device
 from rllm_async.workload_record import Workload, read_workload
 
 # W1 (32 groups of 8 per step): smaller batches make one run's step time vary by +-5% with the
@@ -366,3 +368,19 @@ def test_the_plan_refuses_a_twin_of_the_same_mode_another_job_or_a_split(
         plan(async_run, twin=other_job)
     with pytest.raises(ConfigError, match="--devices with --twin"):
         plan(async_run, twin=sync_run, devices=4)
+
+
+def test_a_setting_given_twice_is_replayed_once(
+    small_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = fit(read_workload(small_run))
+    setting = recorded_candidate(f)
+    calls: list[Candidate] = []
+
+    def counted(f: Fit, c: Candidate, steps: int, seed: int = 0) -> dict[str, Any]:
+        calls.append(c)
+        return replay(f, c, steps, seed)
+
+    monkeypatch.setattr("rllm_async.plan.replay", counted)
+    first, again = replay_rows(f, [setting, setting], 4)
+    assert calls == [setting] and first == again
