@@ -17,7 +17,7 @@ from rllm_async.rollout_slots import RolloutSlots
 from rllm_async.runner import configured_parser, run_rollout
 from rllm_async.step_record import StepRecord, solved_metrics
 from rllm_async.workflows.base import Workflow
-from rllm_async.workload_record import WorkloadRecorder
+from rllm_async.workload_record import KeptGroup, WorkloadRecorder
 
 
 class Generation:
@@ -69,21 +69,23 @@ class Generation:
                 coord.dispatch()
                 dispatch = Dispatch(next(self.dispatch_ids), task, task["id"], coord.version)
                 self.buffer.open(dispatch)
+                kept = self.workload.group_started()
                 for index in range(self.config.rollout.group_size):
-                    rollouts.create_task(self._rollout(dispatch, index))
+                    rollouts.create_task(self._rollout(dispatch, index, kept))
                 # Admission may allow hundreds of groups at once: let the loop breathe between them.
                 await asyncio.sleep(0)
         self.buffer.close()
 
-    async def _rollout(self, dispatch: Dispatch, index: int) -> None:
-        """One rollout of a dispatched group, into the buffer; the group's end when it completes."""
+    async def _rollout(self, dispatch: Dispatch, index: int, kept: KeptGroup | None) -> None:
+        """One rollout of a dispatched group, into the buffer; the group's end when it completes
+        (`kept`: the group as the workload record keeps it, if it does)."""
         ro, record = self.config.rollout, self.record
         loop = asyncio.get_running_loop()
         start = await self.slots.acquire()
         try:
             now = loop.time()
             self.coordinator.rollout_started(now)
-            token = self.workload.started(now)
+            token = self.workload.started(now, kept)
             episode = None
             try:
                 rollout = await run_rollout(
@@ -118,6 +120,8 @@ class Generation:
         if state is None:
             return
         record.add(solved_metrics(dispatch, ro.group_size))
+        failed = state is GroupState.FAILED
+        self.workload.group_ended(kept, None if failed else state is GroupState.FILTERED)
         self.source.group_ended(dispatch.task, solved=dispatch.correct == ro.group_size)
         if state in (GroupState.FILTERED, GroupState.FAILED):
             record.add({"tokens/wasted": dispatch.tokens})

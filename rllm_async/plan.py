@@ -90,8 +90,8 @@ def sim_config(f: Fit, c: Candidate, steps: int, seed: int, quiet: list[str]) ->
 
 
 def workflow(f: Fit, seed: int = 0) -> SimWorkflow:
-    """The sim workflow drawing rollout lengths from the recorded ones."""
-    return SimWorkflow(lengths=f.lengths, seed=seed, filter_rate=f.filter_rate)
+    """The sim workflow drawing a recorded group per task: its lengths, and its filtering."""
+    return SimWorkflow(groups=f.groups, seed=seed, filter_rate=f.filter_rate)
 
 
 def replay(f: Fit, c: Candidate, steps: int, seed: int = 0) -> dict[str, Any]:

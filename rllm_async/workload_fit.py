@@ -19,6 +19,7 @@ import numpy as np
 
 from rllm_async.backends import get_backend_factory
 from rllm_async.config import ConfigError
+from rllm_async.workflows.sim import RecordedGroup
 from rllm_async.workload_record import OFFSETS, RolloutRow, StepRow, Workload
 
 DEFAULT_N_HALF = 64.0
@@ -36,7 +37,7 @@ ALONE_OR_NOT = "training seconds per token are what this run measured, beside ge
 class Fit:
     """A sim workload fitted to a record: the sim backend's options and the rollout lengths."""
 
-    lengths: list[int]
+    groups: list[RecordedGroup]
     rmax: float
     n_half: float
     train_rate: float
@@ -54,6 +55,11 @@ class Fit:
     # The fit that replays the other mode than the recorded one: a twin record's, or where the
     # device was shared, this record's speeds alone and the shares each keeps beside the other.
     other: Fit | None = None
+
+    @property
+    def lengths(self) -> list[int]:
+        """The recorded completion lengths the replay draws from, sorted."""
+        return sorted(n for g in self.groups for n in g.lengths)
 
     def for_mode(self, mode: str) -> Fit:
         """The fit to replay `mode` with: this one, or `other` for the other mode."""
@@ -76,7 +82,7 @@ class Fit:
                 "optimizer-step and weight-sync times stay as measured"
             )
         return Fit(
-            self.lengths,
+            self.groups,
             self.rmax * servers,
             self.n_half * servers,
             self.train_rate,
@@ -110,7 +116,7 @@ class Fit:
             "weight-sync times stay as measured, and neither slows the other",
         ]
         return Fit(
-            self.lengths,
+            self.groups,
             alone.rmax * gen,
             self.n_half * gen,
             alone.train_rate * train,
@@ -165,27 +171,44 @@ def _fit(workload: Workload, *, model_other_mode: bool) -> Fit:
         raise ConfigError("the recorded workload has no finished rollouts or no steps to fit")
     meta = workload.meta
     # Rollouts still running at the end were never recorded, and those are the long ones: the
-    # lengths come from rollouts that started early enough that any of the observed durations
+    # lengths come from groups that started early enough that any of the observed durations
     # would have finished.
     end = max(r.end for r in rows)
     longest = max(r.end - r.start for r in rows)
-    early = [r for r in rows if r.start <= end - longest]
-    drawn = early if len(early) >= min(len(rows), 100) else rows
+    grouped = _grouped(rows, int(meta["group_size"]))
+    early = [g for g in grouped if min(r.start for r in g) <= end - longest]
+    drawn = early if sum(map(len, early)) >= min(len(rows), 100) else grouped
+    groups = [
+        RecordedGroup(lengths=[r.completion for r in g], filtered=g[0].filtered) for g in drawn
+    ]
+    outcomes = sum(g.filtered is not None for g in groups)
     measured = [
-        f"rollout lengths: {len(drawn)} recorded rollouts that started {longest:.1f} s or more "
-        f"before the end ({workload.rollouts_seen} finished)",
+        f"rollout lengths: {sum(map(len, drawn))} recorded rollouts of {len(drawn)} groups that "
+        f"started {longest:.1f} s or more before the end ({workload.rollouts_seen} finished), "
+        "drawn a group per task",
         "training seconds per completion token, optimizer-step and weight-sync seconds: "
-        f"{len(steps)} recorded steps",
-        "step times after the first step, which holds the engine's warm-up (measured and "
-        "replayed alike)",
+        f"{max(1, len(steps) - 1)} recorded steps after the first",
+        "step times after the first step, which holds the engine's and the learner's warm-up "
+        "(measured and replayed alike)",
     ]
     assumed = [
         "one model call per rollout decoding its recorded completion; prompt prefill, tool and "
         "environment time are not modelled",
-        "groups are filtered at the recorded rate, independently of the setting; no failures",
+        "groups are filtered as recorded (a drawn group as it was, at the recorded rate where "
+        "that is not known), independently of the setting; no failures",
         "the engine shares its decode rate evenly over the active rollouts (processor sharing)",
         ALONE_OR_NOT,
     ]
+    if any(r.group is None for r in rows):
+        assumed.append(
+            "the rollouts of a group have independent lengths (a record from before groups were "
+            "kept whole)"
+        )
+    if outcomes:
+        measured.append(
+            f"which groups were filtered: {outcomes} of the {len(groups)} drawn, replayed with "
+            "their lengths"
+        )
     # The first step holds the engine's warm-up (vLLM's first batch took 19 s where later ones
     # took about 1 s): it is left out of the decode rate and of the measured step time.
     warm = [r for r in rows if r.end > steps[0].end]
@@ -219,12 +242,15 @@ def _fit(workload: Workload, *, model_other_mode: bool) -> Fit:
     slots = engine_slots(workload)
     if slots is not None and int(meta["max_concurrency"]) > slots:
         assumed.append(_beyond_slots(slots, int(meta["max_concurrency"]), active))
-    tokens = sum(s.tokens for s in steps)
-    train_s = sum(s.train_s for s in steps)
+    # The first step also holds the learner's warm-up (on a GPU, 0.6 s where later steps took
+    # 0.12): left out of training's speed, as out of the step times.
+    timed = steps[1:] or steps
+    tokens = sum(s.tokens for s in timed)
+    train_s = sum(s.train_s for s in timed)
     train_rate = tokens / train_s if train_s > 0 else 1e12
-    groups = meta.get("groups", {})
-    ended = sum(groups.get(k, 0) for k in ("consumed", "filtered", "failed", "dropped_stale"))
-    filter_rate = groups.get("filtered", 0) / ended if ended else 0.0
+    counts = meta.get("groups", {})
+    ended = sum(counts.get(k, 0) for k in ("consumed", "filtered", "failed", "dropped_stale"))
+    filter_rate = counts.get("filtered", 0) / ended if ended else 0.0
     measured.append(f"filtered groups: {filter_rate:.1%} of the {ended} that ended")
     n = len(steps)
     measured_step_s = (
@@ -233,12 +259,12 @@ def _fit(workload: Workload, *, model_other_mode: bool) -> Fit:
         else steps[0].end - float(meta.get("start", 0.0))
     )
     own = Fit(
-        lengths=sorted(r.completion for r in drawn),
+        groups=groups,
         rmax=rmax,
         n_half=n_half,
         train_rate=train_rate,
-        t_optim=sum(s.optim_s for s in steps) / n,
-        t_sync=sum(s.sync_s for s in steps) / n,
+        t_optim=sum(s.optim_s for s in timed) / len(timed),
+        t_sync=sum(s.sync_s for s in timed) / len(timed),
         meta=meta,
         measured_step_s=measured_step_s,
         filter_rate=filter_rate,
@@ -254,13 +280,29 @@ def _fit(workload: Workload, *, model_other_mode: bool) -> Fit:
         mode = meta["mode"]
         assumed[assumed.index(ALONE_OR_NOT)] = f"replays of {mode} mode: {ALONE_OR_NOT}"
         overlap = _overlap(rows, n_half)
-        own.other = _other_mode(own, steps, overlap)
+        own.other = _other_mode(own, timed, overlap)
     elif own.shared_device is None:
         assumed.append(
             "generation and training run on devices of their own (the record does not say "
             "whether they shared one), so the other mode is replayed at this mode's speeds"
         )
     return own
+
+
+def _grouped(rows: list[RolloutRow], group_size: int) -> list[list[RolloutRow]]:
+    """The rows by the group they belong to; rows recorded before groups were, in groups of
+    `group_size` drawn at random (their lengths independent)."""
+    by_group: dict[int, list[RolloutRow]] = {}
+    loose = []
+    for row in rows:
+        if row.group is None:
+            loose.append(row)
+        else:
+            by_group.setdefault(row.group, []).append(row)
+    order = np.random.default_rng(0).permutation(len(loose))
+    shuffled = [loose[i] for i in order]
+    size = max(1, group_size)
+    return [*by_group.values(), *(shuffled[i : i + size] for i in range(0, len(shuffled), size))]
 
 
 def shared_device(workload: Workload) -> bool | None:
@@ -378,7 +420,7 @@ def _other_mode(own: Fit, steps: list[StepRow], overlap: float) -> Fit:
             f"{train_rate:.0f} tok/s alone follows"
         )
     return Fit(
-        own.lengths,
+        own.groups,
         rmax,
         own.n_half,
         train_rate,

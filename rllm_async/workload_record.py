@@ -1,6 +1,8 @@
 """The workload a run records for `rllm-async plan`: rollout lengths and times, train and sync times.
 
-Bounded in size: rollouts are a reservoir sample of at most `cap` rows, steps the first `cap`.
+Bounded in size: rollouts are a reservoir sample of whole groups (about `cap` rows: a group's
+rollouts share a task, and their lengths with it), steps the first `cap`; each row says which kept
+group it belongs to and whether that group was filtered.
 Each rollout also carries the mean number of rollouts active while it ran and, for each `c` in
 `OFFSETS`, the integral of dt / (active + c) over its life: under processor sharing with
 R(n) = rmax n / (n + n_half) a rollout of L tokens has L = rmax * that integral at c = n_half, so
@@ -51,6 +53,10 @@ class RolloutRow:
     # before these were, read as generation beside nothing).
     inv_train: list[float] | None = None
     inv_sync: list[float] | None = None
+    # The kept group it belongs to (None: recorded before groups were), and whether that group
+    # was filtered (None: not known, as for a group that failed or that the run's end cancelled).
+    group: int | None = None
+    filtered: bool | None = None
 
 
 @dataclass(slots=True)
@@ -69,11 +75,21 @@ class StepRow:
 
 
 @dataclass(slots=True)
-class _Kept:
-    """A started rollout the reservoir keeps: its slot, start time and the counters then (set
-    when its start is integrated)."""
+class KeptGroup:
+    """A dispatched group the reservoir keeps: its number among the started groups, the rows of
+    its rollouts as they finish, and whether it was filtered once it ended."""
 
-    slot: int
+    id: int
+    rows: list[RolloutRow] = field(default_factory=list)
+    filtered: bool | None = None
+
+
+@dataclass(slots=True)
+class _Kept:
+    """A started rollout of a kept group: its group, start time and the counters then (set when
+    its start is integrated)."""
+
+    group: KeptGroup
     start: float
     area: float = 0.0
     inv: np.ndarray | None = None  # the recorder's integrals at the start: in all, then per phase
@@ -97,8 +113,9 @@ class Workload:
 class WorkloadRecorder:
     """Collects a run's workload; `write` puts it in the run directory.
 
-    Which rollouts are kept is decided when they start (a reservoir sample of the started ones);
-    every start and end is logged, and the running integrals advance over the log in batches.
+    Which groups are kept is decided when they are dispatched (a reservoir sample of
+    `cap // meta["group_size"]` groups); every rollout's start and end is logged, and the running
+    integrals advance over the log in batches.
     """
 
     def __init__(
@@ -106,11 +123,12 @@ class WorkloadRecorder:
     ) -> None:
         self.meta = {**meta, "start": start}
         self.cap = cap
-        self._rows: dict[int, RolloutRow] = {}
+        self._group_cap = max(1, cap // int(meta.get("group_size", 1)))
+        self._groups: list[KeptGroup] = []  # by reservoir slot
         self._steps: list[StepRow] = []
         self._finished = 0
         self._rng = random.Random(seed)
-        self._started = 0
+        self._groups_started = 0
         self._active = 0
         self._area = 0.0  # integral of the active count over time
         # Integrals of dt / (active + c), c in OFFSETS: over all time, then over each phase.
@@ -176,13 +194,31 @@ class WorkloadRecorder:
         self._integrate()
         self._phase = 0 if name is None else 1 + PHASES.index(name)
 
-    def started(self, now: float) -> _Kept | None:
-        """A rollout started; the token to hand to `finished` (None when it is not kept)."""
-        self._started += 1
-        slot = self._started - 1
-        if slot >= self.cap:
-            slot = self._rng.randrange(self._started)
-        token = _Kept(slot, now) if slot < self.cap else None
+    def group_started(self) -> KeptGroup | None:
+        """A group was dispatched; the group to hand to `started` and `group_ended` (None when
+        it is not kept: a kept one replaces one kept before it)."""
+        self._groups_started += 1
+        slot = self._groups_started - 1
+        if slot >= self._group_cap:
+            slot = self._rng.randrange(self._groups_started)
+        if slot >= self._group_cap:
+            return None
+        group = KeptGroup(self._groups_started - 1)
+        if slot < len(self._groups):
+            self._groups[slot] = group
+        else:
+            self._groups.append(group)
+        return group
+
+    def group_ended(self, group: KeptGroup | None, filtered: bool | None) -> None:
+        """A group's rollouts all ended; it was `filtered` or trained on (None: neither)."""
+        if group is not None:
+            group.filtered = filtered
+
+    def started(self, now: float, group: KeptGroup | None) -> _Kept | None:
+        """A rollout of `group` started; the token to hand to `finished` (None when its group is
+        not kept)."""
+        token = None if group is None else _Kept(group, now)
         self._event(now, None if token is None else token.opened)
         self._active += 1
         return token
@@ -206,24 +242,32 @@ class WorkloadRecorder:
         tool_s = episode.metrics.get("time/tool_s")
         elapsed = end - token.start
         diff = (inv - token.inv).tolist()
-        self._rows[token.slot] = RolloutRow(
-            start=token.start,
-            end=end,
-            prompt=len(steps[0].prompt_ids) if steps else 0,
-            completion=episode.num_completion_tokens,
-            turns=len(steps),
-            active=(area - token.area) / elapsed if elapsed > 0 else float(active),
-            inv=diff[0],
-            tool_s=None if tool_s is None else float(tool_s),
-            inv_train=diff[1],
-            inv_sync=diff[2],
+        token.group.rows.append(
+            RolloutRow(
+                start=token.start,
+                end=end,
+                prompt=len(steps[0].prompt_ids) if steps else 0,
+                completion=episode.num_completion_tokens,
+                turns=len(steps),
+                active=(area - token.area) / elapsed if elapsed > 0 else float(active),
+                inv=diff[0],
+                tool_s=None if tool_s is None else float(tool_s),
+                inv_train=diff[1],
+                inv_sync=diff[2],
+                group=token.group.id,
+            )
         )
 
     @property
     def workload(self) -> Workload:
         """What was recorded so far."""
         self._integrate()
-        return Workload(self.meta, list(self._rows.values()), list(self._steps), self._finished)
+        rows = []
+        for group in self._groups:
+            for row in group.rows:
+                row.filtered = group.filtered
+            rows += group.rows
+        return Workload(self.meta, rows, list(self._steps), self._finished)
 
     def trained(self, tokens: int, seconds: float) -> None:
         """One forward-backward call of `tokens` completion tokens took `seconds` (the training

@@ -142,15 +142,39 @@ def test_the_command_prints_the_plan_and_what_is_assumed(
     assert main(["plan", str(small_run / "missing")]) == 2
 
 
-def test_the_replay_filters_groups_at_the_recorded_rate(small_run: Path) -> None:
+@pytest.mark.parametrize("known", [True, False])
+def test_the_replay_filters_groups_as_recorded(small_run: Path, known: bool) -> None:
     workload = read_workload(small_run)
     assert fit(workload).filter_rate == 0.0
     workload.meta["groups"] = {"consumed": 60, "filtered": 40, "failed": 0, "dropped_stale": 0}
+    # A sim run filters nothing (the groups its end cancelled are not known).
+    assert {row.filtered for row in workload.rollouts} == {False, None}
+    for row in workload.rollouts:  # 40% of the groups filtered, or no outcome known
+        assert row.group is not None
+        row.filtered = row.group % 5 < 2 if known else None
     f = fit(workload)
     assert f.filter_rate == 0.4
+    assert {g.filtered for g in f.groups} == ({False, True} if known else {None})
     out = replay(f, recorded_candidate(f), 12)
     assert 0.25 < out["waste_steady"] < 0.55  # filtered groups' tokens are wasted
     assert out["steps"] == 12
+
+
+def test_each_task_draws_a_recorded_group_and_filters_as_it_did(small_run: Path) -> None:
+    workload = read_workload(small_run)
+    workload.meta["groups"] = {"consumed": 50, "filtered": 50}
+    for row in workload.rollouts:
+        row.filtered = row.group is not None and row.group % 2 == 0
+    f = fit(workload)
+    recorded = {(tuple(g.lengths), g.filtered) for g in f.groups}
+    quiet = [f"run_dir={small_run / 'groups'}", *QUIET]
+    config = sim_config(f, recorded_candidate(f), 6, 3, quiet)
+    trainer = UnifiedTrainer(config, workflow=workflow(f, 3))
+    trainer.run()
+    assert isinstance(trainer.backend, SimBackend)
+    # Every trained group is one the record kept whole and did not filter.
+    trained = [tuple(g[4]) for step in trainer.backend.trained for g in step]
+    assert trained and all((lengths, False) in recorded for lengths in trained)
 
 
 def test_the_fit_recovers_how_much_decoding_slows_beside_training_and_syncs(

@@ -53,30 +53,54 @@ def test_a_sim_run_writes_its_workload_and_it_round_trips(tmp_path: Path) -> Non
     assert read_workload(copy) == workload
 
 
-def test_the_rollouts_are_a_bounded_reservoir_and_the_active_count_is_time_averaged() -> None:
-    rec = WorkloadRecorder({"mode": "async"}, cap=10, seed=1)
-    long = rec.started(0.0)
+def test_the_active_count_is_time_averaged() -> None:
+    rec = WorkloadRecorder({"mode": "async"}, seed=1)
+    long = rec.started(0.0, rec.group_started())
     for i in range(100):
-        token = rec.started(1.0 + i)
+        token = rec.started(1.0 + i, rec.group_started())
         rec.finished(1.5 + i, token, _episode(i + 1))
     rec.finished(101.0, long, _episode(5000, turns=3))
     w = rec.workload
-    assert w.rollouts_seen == 101 and len(w.rollouts) == 10
-    (first,) = [r for r in w.rollouts if r.start == 0.0]  # the first `cap` started are kept
+    assert w.rollouts_seen == len(w.rollouts) == 101
+    (first,) = [r for r in w.rollouts if r.start == 0.0]
     assert first.turns == 3 and first.completion == 15000
     # Two active during each half second of the 100, one otherwise: 150 / 101 on average.
     assert abs(first.active - 151 / 101) < 1e-9
     assert abs(first.inv[0] - (100 * 0.5 / 2 + 51.0)) < 1e-9  # integral of dt / active
     c = OFFSETS[3]
     assert abs(first.inv[3] - (100 * 0.5 / (2 + c) + 51.0 / (1 + c))) < 1e-9
-    later = sorted(r.completion for r in w.rollouts if r.start > 0)
-    assert len(later) == 9 and later[-1] <= 100 and len(set(later)) == 9
+
+
+def test_the_rollouts_are_a_bounded_reservoir_of_whole_groups() -> None:
+    # Groups of 4 with room for 12 rows: 3 of the 200 groups are kept whole, with their outcome.
+    rec = WorkloadRecorder({"group_size": 4}, cap=12, seed=1)
+    first = rec.group_started()
+    tokens = [rec.started(0.0, first) for _ in range(4)]  # still running while the rest pass
+    for g in range(1, 200):
+        group = rec.group_started()
+        for _ in range(4):
+            rec.finished(g + 0.5, rec.started(float(g), group), _episode(g))
+        rec.group_ended(group, g % 2 == 0)
+    for token in tokens:
+        rec.finished(300.0, token, _episode(1000))
+    rec.group_ended(first, None)
+    w = rec.workload
+    assert w.rollouts_seen == 800 and len(w.rollouts) == 12
+    groups: dict[int | None, list[int]] = {}
+    for row in w.rollouts:
+        groups.setdefault(row.group, []).append(row.completion)
+        assert row.filtered is (None if row.group == 0 else row.completion % 2 == 0)
+    assert len(groups) == 3 and all(len(set(g)) == 1 and len(g) == 4 for g in groups.values())
+    assert all(g == lengths[0] for g, lengths in groups.items())
+    # The first group left the reservoir (with this seed) while its rollouts ran: their ends
+    # wrote nothing.
+    assert 0 not in groups
 
 
 def test_failed_rollouts_are_counted_out() -> None:
     rec = WorkloadRecorder({}, cap=10)
-    rec.finished(1.0, rec.started(0.0), None)
-    rec.finished(3.0, rec.started(2.0), _episode(4))
+    rec.finished(1.0, rec.started(0.0, rec.group_started()), None)
+    rec.finished(3.0, rec.started(2.0, rec.group_started()), _episode(4))
     w = rec.workload
     assert w.rollouts_seen == 1 and [r.completion for r in w.rollouts] == [4]
     assert w.rollouts[0].active == 1.0
@@ -95,7 +119,7 @@ def test_steps_gather_their_forward_backward_calls() -> None:
 def test_the_integrals_are_split_by_what_the_learner_was_doing() -> None:
     # One rollout alone from 0 to 4 s: training 1-2 s, a weight sync 3-3.5 s, nothing otherwise.
     rec = WorkloadRecorder({"mode": "async"})
-    token = rec.started(0.0)
+    token = rec.started(0.0, rec.group_started())
     rec.phase(1.0, "train")
     rec.phase(2.0, None)
     rec.phase(3.0, "sync")
@@ -109,7 +133,7 @@ def test_the_integrals_are_split_by_what_the_learner_was_doing() -> None:
 
 def test_a_record_from_before_the_split_reads_with_no_phases(tmp_path: Path) -> None:
     rec = WorkloadRecorder({"mode": "sync"})
-    rec.finished(1.0, rec.started(0.0), _episode(4))
+    rec.finished(1.0, rec.started(0.0, rec.group_started()), _episode(4))
     path = write_workload(rec.workload, tmp_path / FILE_NAME)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     for line in lines:
@@ -124,7 +148,7 @@ def test_each_forward_backward_call_records_its_time_beside_rollouts() -> None:
     # A rollout runs from 0 to 4 s; one call trains 1-2 s beside it, one 3.5-5 s half beside it,
     # one 6-7 s alone.
     rec = WorkloadRecorder({"mode": "sync"})
-    token = rec.started(0.0)
+    token = rec.started(0.0, rec.group_started())
     rec.phase(1.0, "train")
     rec.phase(2.0, None)
     rec.trained(10, 1.0)

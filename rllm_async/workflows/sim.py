@@ -27,6 +27,16 @@ class SimWorkflowError(RuntimeError):
     """An injected workflow failure (`exception_rate`, `fail_tasks`)."""
 
 
+class RecordedGroup(BaseModel):
+    """A group of a recorded run: its rollouts' completion lengths, and whether it was filtered
+    (None: not known)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lengths: list[int] = Field(min_length=1)
+    filtered: bool | None = None
+
+
 class SimWorkflowArgs(BaseModel):
     """The `workflow.args` of SimWorkflow."""
 
@@ -36,10 +46,12 @@ class SimWorkflowArgs(BaseModel):
     len_median: float = Field(default=LEN_MEDIAN, gt=0.0)
     len_sigma: float = Field(default=LEN_SIGMA, ge=0.0)
     len_cap: int = Field(default=LEN_CAP, ge=1)
-    # Recorded rollout lengths to draw from instead of the lognormal (`rllm-async plan`).
-    lengths: list[int] = Field(default_factory=list)
-    # This fraction of tasks (fixed by id) rewards every rollout 0, so the zero-variance filter
-    # drops their groups; the other tasks' rollouts alternate 1 and 0 (`rllm-async plan`).
+    # Recorded groups to draw from instead of the lognormal (`rllm-async plan`): each task draws
+    # one, and its rollouts take the group's lengths in turn.
+    groups: list[RecordedGroup] = Field(default_factory=list)
+    # Filtered tasks reward every rollout 0, so the zero-variance filter drops their groups; the
+    # other tasks' rollouts alternate 1 and 0 (`rllm-async plan`). A task filters as its recorded
+    # group did, or where that is not known, at this rate (fixed by the task's id).
     filter_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     exception_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     hang_rate: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -77,8 +89,10 @@ class SimWorkflow(Workflow):
         u_len, u_hang, u_exc, u_reward = rollout_uniforms(
             a.seed, task_id, ctx.rollout_index, ctx.attempt
         )
-        if a.lengths:
-            length = a.lengths[int(u_len * len(a.lengths))]
+        group = None
+        if a.groups:
+            group = a.groups[int(uniforms(a.seed, task_id, "group", n=1)[0] * len(a.groups))]
+            length = group.lengths[ctx.rollout_index % len(group.lengths)]
         else:
             length = rollout_length(u_len, a.len_median, a.len_sigma, a.len_cap)
         prompt = ctx.policy.tokenizer.encode(str(task.get("prompt", task_id)))
@@ -90,7 +104,9 @@ class SimWorkflow(Workflow):
         if a.reward_delay_s:
             await asyncio.sleep(a.reward_delay_s)
         if a.filter_rate:
-            filtered = uniforms(a.seed, task_id, "filter", n=1)[0] < a.filter_rate
+            filtered = group.filtered if group is not None else None
+            if filtered is None:
+                filtered = uniforms(a.seed, task_id, "filter", n=1)[0] < a.filter_rate
             return 0.0 if filtered else float(ctx.rollout_index % 2)
         p0 = float(task["p0"]) if "p0" in task else task_difficulty(task_id)
         version = sum(out.versions) / len(out.versions)
