@@ -14,7 +14,7 @@ from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.data import TaskSource
 from rllm_async.health import FailureRateBreaker, NoSignalGuard
 from rllm_async.rollout_slots import RolloutSlots
-from rllm_async.runner import configured_parser, run_rollout
+from rllm_async.runner import Rollout, configured_parser, run_rollout
 from rllm_async.step_record import StepRecord, solved_metrics
 from rllm_async.workflows.base import Workflow
 from rllm_async.workload_record import KeptGroup, WorkloadRecorder
@@ -86,7 +86,7 @@ class Generation:
             now = loop.time()
             self.coordinator.rollout_started(now)
             token = self.workload.started(now, kept)
-            episode = None
+            rollout = Rollout(None)
             try:
                 rollout = await run_rollout(
                     self.workflow,
@@ -101,13 +101,13 @@ class Generation:
                     rollout_index=index,
                     parser=self.parser,
                 )
-                episode = rollout.episode
             finally:
                 now = loop.time()
                 self.coordinator.rollout_finished(now)
-                self.workload.finished(now, token, episode)
+                self.workload.finished(now, token, rollout.episode, rollout.model_s)
         finally:
             self.slots.release(start)
+        episode = rollout.episode
         if episode is None:
             record.add({"rollout/failures": 1})
         else:

@@ -22,10 +22,11 @@ from rllm_async.workflows.base import Workflow
 @dataclass(slots=True)
 class Rollout:
     """What one rollout came to: its episode, None when every attempt failed (why the last
-    failed attempt failed in `last_error`)."""
+    failed attempt failed in `last_error`), and the seconds its attempts spent in model calls."""
 
     episode: Episode | None
     last_error: str = ""
+    model_s: float = 0.0
 
 
 async def run_rollout(
@@ -78,6 +79,7 @@ async def run_rollout(
             continue
         finally:
             ctx.close()
+            out.model_s += ctx.model_s
         episode.task_id = task["id"]
         out.episode = episode
         return out

@@ -199,6 +199,17 @@ def _fit(workload: Workload, *, model_other_mode: bool) -> Fit:
         "the engine shares its decode rate evenly over the active rollouts (processor sharing)",
         ALONE_OR_NOT,
     ]
+    known = [r for r in rows if r.tool_s is not None]
+    if known:
+        outside = sum(r.tool_s or 0.0 for r in known) / sum(r.end - r.start for r in known)
+        said = (
+            f"rollouts spent {outside:.0%} of their time outside model calls (tools, "
+            "environment, reward)"
+        )
+        if outside < SEEN / 2:
+            measured.append(said)
+        else:
+            assumed.append(f"{said}, which the replay counts as decoding time")
     if any(r.group is None for r in rows):
         assumed.append(
             "the rollouts of a group have independent lengths (a record from before groups were "

@@ -2,7 +2,8 @@
 
 Bounded in size: rollouts are a reservoir sample of whole groups (about `cap` rows: a group's
 rollouts share a task, and their lengths with it), steps the first `cap`; each row says which kept
-group it belongs to and whether that group was filtered.
+group it belongs to and whether that group was filtered, and the seconds it spent outside model
+calls (tools, environment, reward).
 Each rollout also carries the mean number of rollouts active while it ran and, for each `c` in
 `OFFSETS`, the integral of dt / (active + c) over its life: under processor sharing with
 R(n) = rmax n / (n + n_half) a rollout of L tokens has L = rmax * that integral at c = n_half, so
@@ -48,6 +49,8 @@ class RolloutRow:
     turns: int
     active: float
     inv: list[float]
+    # Seconds outside model calls (and waits for weight syncs): tools, environment, reward
+    # (None: recorded before these were).
     tool_s: float | None = None
     # The parts of `inv` spent while the learner trained and synced weights (None: recorded
     # before these were, read as generation beside nothing).
@@ -223,23 +226,33 @@ class WorkloadRecorder:
         self._active += 1
         return token
 
-    def finished(self, now: float, token: _Kept | None, episode: Episode | None) -> None:
-        """A rollout ended; recorded when it was kept and produced an episode."""
+    def finished(
+        self, now: float, token: _Kept | None, episode: Episode | None, model_s: float = 0.0
+    ) -> None:
+        """A rollout ended; recorded when it was kept and produced an episode (`model_s`: the
+        seconds it spent in model calls)."""
         if episode is not None:
             self._finished += 1
         if token is None or episode is None:
             self._event(now)
         else:
-            self._event(now, functools.partial(self._record, token, episode, now, self._active))
+            record = functools.partial(self._record, token, episode, now, self._active, model_s)
+            self._event(now, record)
         self._active -= 1
 
     def _record(
-        self, token: _Kept, episode: Episode, end: float, active: int, area: float, inv: np.ndarray
+        self,
+        token: _Kept,
+        episode: Episode,
+        end: float,
+        active: int,
+        model_s: float,
+        area: float,
+        inv: np.ndarray,
     ) -> None:
         """Keep the row of a rollout that ended at `end` with `active` rollouts running."""
         assert token.inv is not None  # its start came first
         steps = [s for t in episode.trajectories for s in t.steps]
-        tool_s = episode.metrics.get("time/tool_s")
         elapsed = end - token.start
         diff = (inv - token.inv).tolist()
         token.group.rows.append(
@@ -251,7 +264,7 @@ class WorkloadRecorder:
                 turns=len(steps),
                 active=(area - token.area) / elapsed if elapsed > 0 else float(active),
                 inv=diff[0],
-                tool_s=None if tool_s is None else float(tool_s),
+                tool_s=max(0.0, elapsed - model_s),
                 inv_train=diff[1],
                 inv_sync=diff[2],
                 group=token.group.id,

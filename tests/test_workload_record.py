@@ -10,6 +10,7 @@ import pytest
 from rllm_async.backends.sim import workload_config
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.types import Episode, Step, Trajectory
+from rllm_async.workload_fit import fit
 from rllm_async.workload_record import (
     FILE_NAME,
     OFFSETS,
@@ -185,3 +186,32 @@ def test_the_record_reads_the_config_of_its_run(tmp_path: Path) -> None:
     assert workload.config["backend"]["learner_share"] == 0.5
     assert all(s.calls and sum(c[0] for c in s.calls) == s.tokens for s in workload.steps)
     assert read_workload(config.run_path / FILE_NAME).config == workload.config
+
+
+def test_a_rollout_records_its_time_outside_model_calls() -> None:
+    rec = WorkloadRecorder({})
+    rec.finished(3.0, rec.started(1.0, rec.group_started()), _episode(4), model_s=0.5)
+    assert rec.workload.rollouts[0].tool_s == pytest.approx(1.5)
+
+
+def test_a_runs_environment_time_is_recorded_and_the_plan_names_it(tmp_path: Path) -> None:
+    # On the virtual clock each sim rollout waits `reward_delay_s` after its model call.
+    config = workload_config(
+        "W1",
+        [
+            f"run_dir={tmp_path}",
+            "logging.progress_bar=false",
+            "checkpoint.at_end=false",
+            "train.total_steps=2",
+            "train.groups_per_step=4",
+            "workflow.args.reward_delay_s=2.0",
+        ],
+    )
+    UnifiedTrainer(config).run()
+    workload = read_workload(tmp_path)
+    assert workload.rollouts
+    assert all(r.tool_s == pytest.approx(2.0) for r in workload.rollouts)
+    f = fit(workload)
+    (said,) = [a for a in f.assumed if "outside model calls" in a]
+    outside = 2.0 * len(workload.rollouts) / sum(r.end - r.start for r in workload.rollouts)
+    assert f"rollouts spent {outside:.0%} of their time outside model calls" in said

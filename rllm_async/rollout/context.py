@@ -93,6 +93,9 @@ class RolloutContext:
         self._owns_version = False
         self._trajectories: dict[str, Trajectory] = {}
         self._chats: dict[str, ChatHistory] = {}
+        # Seconds spent in model calls, waits for weight syncs included: the rest of a rollout's
+        # time is its workflow's own (tools, environment, reward).
+        self.model_s = 0.0
 
     @property
     def deadline(self) -> float:
@@ -176,6 +179,8 @@ class RolloutContext:
                 "a decoding constraint (structured) was given but this policy's engine cannot "
                 "constrain decoding (the vLLM engine can): check the reply after sampling instead"
             )
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         waiting = self._wait_unpaused()
         if not (isinstance(waiting, asyncio.Future) and waiting.done()):
             await self._wait_out_sync(waiting)
@@ -183,6 +188,7 @@ class RolloutContext:
             self._version = self.policy.acquire()
             self._owns_version = True
         out = await self.policy.generate(prompt_ids, params, version=self._version)
+        self.model_s += loop.time() - t0
         step = Step(
             prompt_ids=list(prompt_ids),
             completion_ids=out.ids,
