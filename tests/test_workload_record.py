@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rllm_async.backends.sim import workload_config
+from rllm_async.config import Config
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.types import Episode, Step, Trajectory
 from rllm_async.workload_fit import fit
@@ -25,19 +26,24 @@ def _episode(tokens: int, turns: int = 1) -> Episode:
     return Episode("t", [Trajectory(steps)])
 
 
-def test_a_sim_run_writes_its_workload_and_it_round_trips(tmp_path: Path) -> None:
+def _sim_run(tmp_path: Path, *overrides: str) -> Config:
+    """A short W1 run of 4 groups per step into `tmp_path`; its config."""
     config = workload_config(
         "W1",
         [
             f"run_dir={tmp_path}",
             "logging.progress_bar=false",
             "checkpoint.at_end=false",
-            "train.total_steps=3",
             "train.groups_per_step=4",
-            "coordinator.pipeline_depth=1",
+            *overrides,
         ],
     )
     UnifiedTrainer(config).run()
+    return config
+
+
+def test_a_sim_run_writes_its_workload_and_it_round_trips(tmp_path: Path) -> None:
+    config = _sim_run(tmp_path, "train.total_steps=3", "coordinator.pipeline_depth=1")
     path = config.run_path / FILE_NAME
     workload = read_workload(tmp_path)  # the run directory's parent finds it too
     assert workload.meta["groups_per_step"] == 4 and workload.meta["pipeline_depth"] == 1
@@ -168,18 +174,7 @@ def test_each_forward_backward_call_records_its_time_beside_rollouts() -> None:
 
 
 def test_the_record_reads_the_config_of_its_run(tmp_path: Path) -> None:
-    config = workload_config(
-        "W1",
-        [
-            f"run_dir={tmp_path}",
-            "logging.progress_bar=false",
-            "checkpoint.at_end=false",
-            "train.total_steps=2",
-            "train.groups_per_step=4",
-            "backend.learner_share=0.5",
-        ],
-    )
-    UnifiedTrainer(config).run()
+    config = _sim_run(tmp_path, "train.total_steps=2", "backend.learner_share=0.5")
     workload = read_workload(tmp_path)
     assert workload.config is not None
     assert workload.config["backend"]["name"] == "sim"
@@ -196,18 +191,7 @@ def test_a_rollout_records_its_time_outside_model_calls() -> None:
 
 def test_a_runs_environment_time_is_recorded_and_the_plan_names_it(tmp_path: Path) -> None:
     # On the virtual clock each sim rollout waits `reward_delay_s` after its model call.
-    config = workload_config(
-        "W1",
-        [
-            f"run_dir={tmp_path}",
-            "logging.progress_bar=false",
-            "checkpoint.at_end=false",
-            "train.total_steps=2",
-            "train.groups_per_step=4",
-            "workflow.args.reward_delay_s=2.0",
-        ],
-    )
-    UnifiedTrainer(config).run()
+    _sim_run(tmp_path, "train.total_steps=2", "workflow.args.reward_delay_s=2.0")
     workload = read_workload(tmp_path)
     assert workload.rollouts
     assert all(r.tool_s == pytest.approx(2.0) for r in workload.rollouts)
