@@ -35,7 +35,7 @@ ALONE_OR_NOT = "training seconds per token are what this run measured, beside ge
 
 @dataclass
 class Fit:
-    """A sim workload fitted to a record: the sim backend's options and the rollout lengths."""
+    """A sim workload fitted to a record: the sim backend's options and the recorded groups."""
 
     groups: list[RecordedGroup]
     rmax: float
