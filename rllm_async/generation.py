@@ -14,7 +14,7 @@ from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.data import TaskSource
 from rllm_async.health import FailureRateBreaker, NoSignalGuard
 from rllm_async.rollout_slots import RolloutSlots
-from rllm_async.runner import Rollout, configured_parser, run_rollout
+from rllm_async.runner import configured_parser, run_rollout
 from rllm_async.step_record import StepRecord, solved_metrics
 from rllm_async.workflows.base import Workflow
 from rllm_async.workload_record import KeptGroup, WorkloadRecorder
@@ -85,8 +85,8 @@ class Generation:
         try:
             now = loop.time()
             self.coordinator.rollout_started(now)
-            token = self.workload.started(now, kept)
-            rollout = Rollout(None)
+            meter = self.workload.started(now, kept)
+            episode = None
             try:
                 rollout = await run_rollout(
                     self.workflow,
@@ -100,14 +100,15 @@ class Generation:
                     report=record.add_generation,
                     rollout_index=index,
                     parser=self.parser,
+                    meter=meter,
                 )
+                episode = rollout.episode
             finally:
                 now = loop.time()
                 self.coordinator.rollout_finished(now)
-                self.workload.finished(now, token, rollout.episode, rollout.model_s)
+                self.workload.finished(now, meter, episode)
         finally:
             self.slots.release(start)
-        episode = rollout.episode
         if episode is None:
             record.add({"rollout/failures": 1})
         else:

@@ -13,7 +13,7 @@ from typing import Any
 from rllm_async.backends.base import PolicyClient, SamplingParams
 from rllm_async.config import Config, ConfigError
 from rllm_async.imports import import_object
-from rllm_async.rollout import RolloutContext
+from rllm_async.rollout import CallMeter, RolloutContext
 from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
 from rllm_async.types import Episode
 from rllm_async.workflows.base import Workflow
@@ -22,11 +22,10 @@ from rllm_async.workflows.base import Workflow
 @dataclass(slots=True)
 class Rollout:
     """What one rollout came to: its episode, None when every attempt failed (why the last
-    failed attempt failed in `last_error`), and the seconds its attempts spent in model calls."""
+    failed attempt failed in `last_error`)."""
 
     episode: Episode | None
     last_error: str = ""
-    model_s: float = 0.0
 
 
 async def run_rollout(
@@ -43,11 +42,13 @@ async def run_rollout(
     rollout_index: int = 0,
     version: int | None = None,
     parser: ReplyParser | None = None,
+    meter: CallMeter | None = None,
 ) -> Rollout:
     """Run one rollout of `task`, each attempt under its own `timeout_s` deadline, retrying
     failures `retries` times; `version` pins every call to that policy version; `parser` reads the
-    replies (by default, in the family of the policy's checkpoint). The metrics of
-    each retry and failed attempt go to `report` as they happen."""
+    replies (by default, in the family of the policy's checkpoint); `meter` is told when each
+    model call begins and ends. The metrics of each retry and failed attempt go to `report` as
+    they happen."""
     loop = asyncio.get_running_loop()
     out = Rollout(None)
     for attempt in range(retries + 1):
@@ -64,6 +65,7 @@ async def run_rollout(
             rollout_index=rollout_index,
             attempt=attempt,
             parser=parser,
+            meter=meter,
         )
         try:
             with ctx.timeout():
@@ -79,7 +81,6 @@ async def run_rollout(
             continue
         finally:
             ctx.close()
-            out.model_s += ctx.model_s
         episode.task_id = task["id"]
         out.episode = episode
         return out

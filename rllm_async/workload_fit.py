@@ -19,7 +19,7 @@ import numpy as np
 
 from rllm_async.backends import get_backend_factory
 from rllm_async.config import ConfigError
-from rllm_async.workflows.sim import RecordedGroup
+from rllm_async.workflows.sim import RecordedGroup, RecordedRollout
 from rllm_async.workload_record import OFFSETS, RolloutRow, StepRow, Workload
 
 DEFAULT_N_HALF = 64.0
@@ -59,7 +59,7 @@ class Fit:
     @property
     def lengths(self) -> list[int]:
         """The recorded completion lengths the replay draws from, sorted."""
-        return sorted(n for g in self.groups for n in g.lengths)
+        return sorted(r.completion for g in self.groups for r in g.rollouts)
 
     def for_mode(self, mode: str) -> Fit:
         """The fit to replay `mode` with: this one, or `other` for the other mode."""
@@ -179,7 +179,7 @@ def _fit(workload: Workload, *, model_other_mode: bool) -> Fit:
     early = [g for g in grouped if min(r.start for r in g) <= end - longest]
     drawn = early if sum(map(len, early)) >= min(len(rows), 100) else grouped
     groups = [
-        RecordedGroup(lengths=[r.completion for r in g], filtered=g[0].filtered) for g in drawn
+        RecordedGroup(rollouts=[_recorded(r) for r in g], filtered=g[0].filtered) for g in drawn
     ]
     outcomes = sum(g.filtered is not None for g in groups)
     measured = [
@@ -192,24 +192,24 @@ def _fit(workload: Workload, *, model_other_mode: bool) -> Fit:
         "(measured and replayed alike)",
     ]
     assumed = [
-        "one model call per rollout decoding its recorded completion; prompt prefill, tool and "
-        "environment time are not modelled",
+        "each rollout's turns are model calls of equal length, its time outside them shared out "
+        "after each; prompt prefill is not modelled",
         "groups are filtered as recorded (a drawn group as it was, at the recorded rate where "
         "that is not known), independently of the setting; no failures",
         "the engine shares its decode rate evenly over the active rollouts (processor sharing)",
         ALONE_OR_NOT,
     ]
-    known = [r for r in rows if r.tool_s is not None]
-    if known:
-        outside = sum(r.tool_s or 0.0 for r in known) / sum(r.end - r.start for r in known)
-        said = (
-            f"rollouts spent {outside:.0%} of their time outside model calls (tools, "
-            "environment, reward)"
+    if all(r.tool_s is not None for r in rows):
+        outside = sum(r.tool_s or 0.0 for r in rows) / sum(r.end - r.start for r in rows)
+        measured.append(
+            f"time outside model calls (tools, environment, reward): {outside:.0%} of the "
+            "rollouts' time, replayed per rollout"
         )
-        if outside < SEEN / 2:
-            measured.append(said)
-        else:
-            assumed.append(f"{said}, which the replay counts as decoding time")
+    else:
+        assumed.append(
+            "no time outside model calls: the rollouts' whole time decoded (a record from before "
+            "it was measured)"
+        )
     if any(r.group is None for r in rows):
         assumed.append(
             "the rollouts of a group have independent lengths (a record from before groups were "
@@ -298,6 +298,13 @@ def _fit(workload: Workload, *, model_other_mode: bool) -> Fit:
             "whether they shared one), so the other mode is replayed at this mode's speeds"
         )
     return own
+
+
+def _recorded(row: RolloutRow) -> RecordedRollout:
+    """What the replay takes of a recorded rollout."""
+    return RecordedRollout(
+        completion=row.completion, turns=max(1, row.turns), tool_s=row.tool_s or 0.0
+    )
 
 
 def _grouped(rows: list[RolloutRow], group_size: int) -> list[list[RolloutRow]]:

@@ -3,22 +3,22 @@
 Bounded in size: rollouts are a reservoir sample of whole groups (about `cap` rows: a group's
 rollouts share a task, and their lengths with it), steps the first `cap`; each row says which kept
 group it belongs to and whether that group was filtered, and the seconds it spent outside model
-calls (tools, environment, reward).
-Each rollout also carries the mean number of rollouts active while it ran and, for each `c` in
-`OFFSETS`, the integral of dt / (active + c) over its life: under processor sharing with
-R(n) = rmax n / (n + n_half) a rollout of L tokens has L = rmax * that integral at c = n_half, so
-the engine's decode rate as a function of concurrency can be fitted from the rows alone. The
-same integrals over the time the learner was training (`inv_train`) and syncing weights
-(`inv_sync`) tell how much of that rate generation keeps beside each: none during a sync that
-pauses the engine, a fraction while training shares the engine's processors. Each step also
-carries its forward-backward calls with the part of each during which rollouts were running
-(`calls`), from which the learner's own slowdown beside generation is fitted, and the run's `config.yaml` beside
-the record tells whether its backend runs generation and training on one device.
+calls (tools, environment, reward). The engine's load is the number of rollouts in a model call
+(`RolloutMeter`, which each rollout's context tells when a call begins and ends): each rollout
+carries the mean of it over its calls and, for each `c` in `OFFSETS`, the integral of
+dt / (load + c) over its calls: under processor sharing with R(n) = rmax n / (n + n_half) a
+rollout of L tokens has L = rmax * that integral at c = n_half, so the engine's decode rate as a
+function of its load can be fitted from the rows alone. The same integrals over the time the
+learner was training (`inv_train`) and syncing weights (`inv_sync`) tell how much of that rate
+generation keeps beside each: none during a sync that pauses the engine, a fraction while
+training shares the engine's processors. Each step also carries its forward-backward calls with
+the part of each during which a model call ran (`calls`), from which the learner's own slowdown
+beside generation is fitted, and the run's `config.yaml` beside the record tells whether its
+backend runs generation and training on one device.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 from collections.abc import Callable
@@ -40,7 +40,8 @@ _BATCH = 4096  # pending starts and ends integrated at once
 
 @dataclass(slots=True)
 class RolloutRow:
-    """One finished rollout: tokens, turns, virtual or real seconds, and the mean active rollouts."""
+    """One finished rollout: tokens, turns, virtual or real seconds, and the mean number of
+    rollouts in a model call during its own calls."""
 
     start: float
     end: float
@@ -79,26 +80,58 @@ class StepRow:
 
 @dataclass(slots=True)
 class KeptGroup:
-    """A dispatched group the reservoir keeps: its number among the started groups, the rows of
-    its rollouts as they finish, and whether it was filtered once it ended."""
+    """A dispatched group the reservoir keeps: its number among the started groups, its rollouts
+    that finished with an episode (their meters, end times and token counts), and whether it was
+    filtered once it ended."""
 
     id: int
-    rows: list[RolloutRow] = field(default_factory=list)
+    done: list[tuple[_Kept, float, int, int, int]] = field(default_factory=list)
     filtered: bool | None = None
 
 
 @dataclass(slots=True)
 class _Kept:
-    """A started rollout of a kept group: its group, start time and the counters then (set when
-    its start is integrated)."""
+    """A started rollout of a kept group: its group and start time, and what its model calls
+    have added up to (their seconds, and the counters' increments over them once integrated)."""
 
     group: KeptGroup
     start: float
+    model_s: float = 0.0
     area: float = 0.0
-    inv: np.ndarray | None = None  # the recorder's integrals at the start: in all, then per phase
+    inv: np.ndarray = field(default_factory=lambda: np.zeros((1 + len(PHASES), len(OFFSETS))))
+    at_call: tuple[float, np.ndarray] | None = None  # the counters when its call began
 
-    def opened(self, area: float, inv: np.ndarray) -> None:
-        self.area, self.inv = area, inv
+    def call_opened(self, area: float, inv: np.ndarray) -> None:
+        self.at_call = (area, inv)
+
+    def call_closed(self, area: float, inv: np.ndarray) -> None:
+        assert self.at_call is not None  # the call's beginning came first
+        self.area += area - self.at_call[0]
+        self.inv += inv - self.at_call[1]
+
+
+class RolloutMeter:
+    """One rollout as its context reports it to the recorder: each model call's beginning and
+    end (`rllm_async.rollout.CallMeter`); the engine's load is the number of rollouts in a call."""
+
+    __slots__ = ("_began", "_recorder", "kept")
+
+    def __init__(self, recorder: WorkloadRecorder, kept: _Kept | None) -> None:
+        self._recorder, self.kept = recorder, kept
+        self._began = 0.0
+
+    def call_began(self, now: float) -> None:
+        kept = self.kept
+        self._recorder._load(now, 1, None if kept is None else kept.call_opened)
+        self._began = now
+
+    def call_ended(self, now: float) -> None:
+        kept = self.kept
+        if kept is None:
+            self._recorder._load(now, -1)
+        else:
+            self._recorder._load(now, -1, kept.call_closed)
+            kept.model_s += now - self._began
 
 
 @dataclass(slots=True)
@@ -137,14 +170,15 @@ class WorkloadRecorder:
         # Integrals of dt / (active + c), c in OFFSETS: over all time, then over each phase.
         self._inv = np.zeros((1 + len(PHASES), len(OFFSETS)))
         self._phase = 0  # 0: none, else 1 + the index in PHASES
-        # Seconds with at least one rollout running: in all, then in each phase; and the
+        # Seconds with at least one model call running: in all, then in each phase; and the
         # training part of it when the last forward-backward call ended.
         self._busy = np.zeros(1 + len(PHASES))
         self._train_busy = 0.0
         self._t_last = start
-        # Starts and ends not yet integrated: when, and how many rollouts were active until then.
-        # Integrating them in a batch keeps a rollout's cost to two appends (16k rollouts in flight
-        # end thousands of times a second); the integrals are brought up to date when read.
+        # Calls' beginnings and ends not yet integrated: when, and how many rollouts were in a
+        # call until then. Integrating them in a batch keeps a call's cost to two appends (16k
+        # rollouts in flight end thousands of times a second); the integrals are brought up to
+        # date when read.
         self._times: list[float] = []
         self._counts: list[int] = []
         self._marks: list[tuple[int, Callable[[float, np.ndarray], None]]] = []
@@ -160,6 +194,13 @@ class WorkloadRecorder:
         self._counts.append(self._active)
         if len(self._times) >= _BATCH:
             self._integrate()
+
+    def _load(
+        self, now: float, change: int, then: Callable[[float, np.ndarray], None] | None = None
+    ) -> None:
+        """`change` rollouts entered (or left) a model call at `now`; see `_event` for `then`."""
+        self._event(now, then)
+        self._active += change
 
     def _integrate(self) -> None:
         """Fold the logged events into the running integrals, handing each mark its values."""
@@ -218,68 +259,48 @@ class WorkloadRecorder:
         if group is not None:
             group.filtered = filtered
 
-    def started(self, now: float, group: KeptGroup | None) -> _Kept | None:
-        """A rollout of `group` started; the token to hand to `finished` (None when its group is
-        not kept)."""
-        token = None if group is None else _Kept(group, now)
-        self._event(now, None if token is None else token.opened)
-        self._active += 1
-        return token
+    def started(self, now: float, group: KeptGroup | None) -> RolloutMeter:
+        """A rollout of `group` started; the meter its model calls report to, to hand to
+        `finished` (kept when its group is)."""
+        return RolloutMeter(self, None if group is None else _Kept(group, now))
 
-    def finished(
-        self, now: float, token: _Kept | None, episode: Episode | None, model_s: float = 0.0
-    ) -> None:
-        """A rollout ended; recorded when it was kept and produced an episode (`model_s`: the
-        seconds it spent in model calls)."""
-        if episode is not None:
-            self._finished += 1
-        if token is None or episode is None:
-            self._event(now)
-        else:
-            record = functools.partial(self._record, token, episode, now, self._active, model_s)
-            self._event(now, record)
-        self._active -= 1
+    def finished(self, now: float, meter: RolloutMeter, episode: Episode | None) -> None:
+        """A rollout ended, its calls too; recorded when it was kept and produced an episode."""
+        if episode is None:
+            return
+        self._finished += 1
+        kept = meter.kept
+        if kept is not None:
+            steps = [s for t in episode.trajectories for s in t.steps]
+            prompt = len(steps[0].prompt_ids) if steps else 0
+            kept.group.done.append((kept, now, prompt, episode.num_completion_tokens, len(steps)))
 
-    def _record(
-        self,
-        token: _Kept,
-        episode: Episode,
-        end: float,
-        active: int,
-        model_s: float,
-        area: float,
-        inv: np.ndarray,
-    ) -> None:
-        """Keep the row of a rollout that ended at `end` with `active` rollouts running."""
-        assert token.inv is not None  # its start came first
-        steps = [s for t in episode.trajectories for s in t.steps]
-        elapsed = end - token.start
-        diff = (inv - token.inv).tolist()
-        token.group.rows.append(
-            RolloutRow(
-                start=token.start,
-                end=end,
-                prompt=len(steps[0].prompt_ids) if steps else 0,
-                completion=episode.num_completion_tokens,
-                turns=len(steps),
-                active=(area - token.area) / elapsed if elapsed > 0 else float(active),
-                inv=diff[0],
-                tool_s=max(0.0, elapsed - model_s),
-                inv_train=diff[1],
-                inv_sync=diff[2],
-                group=token.group.id,
-            )
+    @staticmethod
+    def _row(
+        group: KeptGroup, kept: _Kept, end: float, prompt: int, completion: int, turns: int
+    ) -> RolloutRow:
+        """The row of a kept rollout that ended at `end`, its calls integrated."""
+        diff = kept.inv.tolist()
+        return RolloutRow(
+            start=kept.start,
+            end=end,
+            prompt=prompt,
+            completion=completion,
+            turns=turns,
+            active=kept.area / kept.model_s if kept.model_s > 0 else 0.0,
+            inv=diff[0],
+            tool_s=max(0.0, end - kept.start - kept.model_s),
+            inv_train=diff[1],
+            inv_sync=diff[2],
+            group=group.id,
+            filtered=group.filtered,
         )
 
     @property
     def workload(self) -> Workload:
         """What was recorded so far."""
         self._integrate()
-        rows = []
-        for group in self._groups:
-            for row in group.rows:
-                row.filtered = group.filtered
-            rows += group.rows
+        rows = [self._row(group, *done) for group in self._groups for done in group.done]
         return Workload(self.meta, rows, list(self._steps), self._finished)
 
     def trained(self, tokens: int, seconds: float) -> None:

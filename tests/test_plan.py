@@ -99,6 +99,24 @@ def test_the_fitted_workload_reproduces_the_recorded_lengths(sync_run: Path) -> 
     assert np.median(replayed) == pytest.approx(np.median(recorded), rel=0.1)
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_replay_recovers_a_run_whose_rollouts_wait_outside_model_calls(
+    tmp_path: Path, mode: str
+) -> None:
+    # Each rollout waits 40 s after its model call (a slow reward or environment), about as long
+    # as the call itself: the engine is idle for it, which the replay must know to match.
+    settings = (
+        ["coordinator.pipeline_depth=2", "coordinator.max_staleness=null"]
+        if mode == "async"
+        else ["mode=sync", "coordinator.max_staleness=0"]
+    )
+    run = _record(tmp_path, "workflow.args.reward_delay_s=40.0", *settings)
+    f = fit(read_workload(run))
+    assert all(g.rollouts[0].tool_s == pytest.approx(40.0) for g in f.groups)
+    predicted = replay(f, recorded_candidate(f), STEPS)["step_s"]
+    assert predicted == pytest.approx(f.measured_step_s, rel=0.05)
+
+
 @pytest.mark.parametrize("run", ["async_run", "sync_run"])
 def test_the_replay_of_the_recorded_setting_recovers_its_step_time(
     run: str, request: pytest.FixtureRequest

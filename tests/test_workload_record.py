@@ -15,6 +15,8 @@ from rllm_async.workload_fit import fit
 from rllm_async.workload_record import (
     FILE_NAME,
     OFFSETS,
+    KeptGroup,
+    RolloutMeter,
     WorkloadRecorder,
     read_workload,
     write_workload,
@@ -24,6 +26,19 @@ from rllm_async.workload_record import (
 def _episode(tokens: int, turns: int = 1) -> Episode:
     steps = [Step([1, 2, 3], [0] * tokens, [-1.0] * tokens, [0] * tokens) for _ in range(turns)]
     return Episode("t", [Trajectory(steps)])
+
+
+def _begin(rec: WorkloadRecorder, now: float, group: KeptGroup | None) -> RolloutMeter:
+    """A rollout of `group` that starts, and begins a model call, at `now`."""
+    meter = rec.started(now, group)
+    meter.call_began(now)
+    return meter
+
+
+def _end(rec: WorkloadRecorder, now: float, meter: RolloutMeter, episode: Episode | None) -> None:
+    """Its call ends at `now`, and the rollout with it."""
+    meter.call_ended(now)
+    rec.finished(now, meter, episode)
 
 
 def _sim_run(tmp_path: Path, *overrides: str) -> Config:
@@ -62,11 +77,10 @@ def test_a_sim_run_writes_its_workload_and_it_round_trips(tmp_path: Path) -> Non
 
 def test_the_active_count_is_time_averaged() -> None:
     rec = WorkloadRecorder({"mode": "async"}, seed=1)
-    long = rec.started(0.0, rec.group_started())
+    long = _begin(rec, 0.0, rec.group_started())
     for i in range(100):
-        token = rec.started(1.0 + i, rec.group_started())
-        rec.finished(1.5 + i, token, _episode(i + 1))
-    rec.finished(101.0, long, _episode(5000, turns=3))
+        _end(rec, 1.5 + i, _begin(rec, 1.0 + i, rec.group_started()), _episode(i + 1))
+    _end(rec, 101.0, long, _episode(5000, turns=3))
     w = rec.workload
     assert w.rollouts_seen == len(w.rollouts) == 101
     (first,) = [r for r in w.rollouts if r.start == 0.0]
@@ -82,14 +96,14 @@ def test_the_rollouts_are_a_bounded_reservoir_of_whole_groups() -> None:
     # Groups of 4 with room for 12 rows: 3 of the 200 groups are kept whole, with their outcome.
     rec = WorkloadRecorder({"group_size": 4}, cap=12, seed=1)
     first = rec.group_started()
-    tokens = [rec.started(0.0, first) for _ in range(4)]  # still running while the rest pass
+    meters = [_begin(rec, 0.0, first) for _ in range(4)]  # still running while the rest pass
     for g in range(1, 200):
         group = rec.group_started()
         for _ in range(4):
-            rec.finished(g + 0.5, rec.started(float(g), group), _episode(g))
+            _end(rec, g + 0.5, _begin(rec, float(g), group), _episode(g))
         rec.group_ended(group, g % 2 == 0)
-    for token in tokens:
-        rec.finished(300.0, token, _episode(1000))
+    for meter in meters:
+        _end(rec, 300.0, meter, _episode(1000))
     rec.group_ended(first, None)
     w = rec.workload
     assert w.rollouts_seen == 800 and len(w.rollouts) == 12
@@ -106,8 +120,8 @@ def test_the_rollouts_are_a_bounded_reservoir_of_whole_groups() -> None:
 
 def test_failed_rollouts_are_counted_out() -> None:
     rec = WorkloadRecorder({}, cap=10)
-    rec.finished(1.0, rec.started(0.0, rec.group_started()), None)
-    rec.finished(3.0, rec.started(2.0, rec.group_started()), _episode(4))
+    _end(rec, 1.0, _begin(rec, 0.0, rec.group_started()), None)
+    _end(rec, 3.0, _begin(rec, 2.0, rec.group_started()), _episode(4))
     w = rec.workload
     assert w.rollouts_seen == 1 and [r.completion for r in w.rollouts] == [4]
     assert w.rollouts[0].active == 1.0
@@ -126,12 +140,12 @@ def test_steps_gather_their_forward_backward_calls() -> None:
 def test_the_integrals_are_split_by_what_the_learner_was_doing() -> None:
     # One rollout alone from 0 to 4 s: training 1-2 s, a weight sync 3-3.5 s, nothing otherwise.
     rec = WorkloadRecorder({"mode": "async"})
-    token = rec.started(0.0, rec.group_started())
+    meter = _begin(rec, 0.0, rec.group_started())
     rec.phase(1.0, "train")
     rec.phase(2.0, None)
     rec.phase(3.0, "sync")
     rec.phase(3.5, None)
-    rec.finished(4.0, token, _episode(8))
+    _end(rec, 4.0, meter, _episode(8))
     row = rec.workload.rollouts[0]
     assert row.inv == [pytest.approx(4.0 / (1 + c)) for c in OFFSETS]
     assert row.inv_train == [pytest.approx(1.0 / (1 + c)) for c in OFFSETS]
@@ -140,7 +154,7 @@ def test_the_integrals_are_split_by_what_the_learner_was_doing() -> None:
 
 def test_a_record_from_before_the_split_reads_with_no_phases(tmp_path: Path) -> None:
     rec = WorkloadRecorder({"mode": "sync"})
-    rec.finished(1.0, rec.started(0.0, rec.group_started()), _episode(4))
+    _end(rec, 1.0, _begin(rec, 0.0, rec.group_started()), _episode(4))
     path = write_workload(rec.workload, tmp_path / FILE_NAME)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     for line in lines:
@@ -155,12 +169,12 @@ def test_each_forward_backward_call_records_its_time_beside_rollouts() -> None:
     # A rollout runs from 0 to 4 s; one call trains 1-2 s beside it, one 3.5-5 s half beside it,
     # one 6-7 s alone.
     rec = WorkloadRecorder({"mode": "sync"})
-    token = rec.started(0.0, rec.group_started())
+    meter = _begin(rec, 0.0, rec.group_started())
     rec.phase(1.0, "train")
     rec.phase(2.0, None)
     rec.trained(10, 1.0)
     rec.phase(3.5, "train")
-    rec.finished(4.0, token, _episode(8))
+    _end(rec, 4.0, meter, _episode(8))
     rec.phase(5.0, None)
     rec.trained(20, 1.5)
     rec.step(1, 5.0, 0.0, 0.0)
@@ -183,19 +197,33 @@ def test_the_record_reads_the_config_of_its_run(tmp_path: Path) -> None:
     assert read_workload(config.run_path / FILE_NAME).config == workload.config
 
 
-def test_a_rollout_records_its_time_outside_model_calls() -> None:
+def test_the_engines_load_counts_rollouts_in_a_model_call_only() -> None:
+    # A two-turn rollout from 0 to 10 s: calls 0-2 s and 6-7 s, its tool between; another
+    # rollout's call runs 1-8 s.
     rec = WorkloadRecorder({})
-    rec.finished(3.0, rec.started(1.0, rec.group_started()), _episode(4), model_s=0.5)
-    assert rec.workload.rollouts[0].tool_s == pytest.approx(1.5)
+    agent = _begin(rec, 0.0, rec.group_started())
+    other = _begin(rec, 1.0, rec.group_started())
+    agent.call_ended(2.0)
+    agent.call_began(6.0)
+    agent.call_ended(7.0)
+    _end(rec, 8.0, other, _episode(3))
+    rec.finished(10.0, agent, _episode(5, turns=2))
+    row = next(r for r in rec.workload.rollouts if r.start == 0.0)
+    assert row.turns == 2 and row.tool_s == pytest.approx(7.0)  # 10 s, 3 of them in calls
+    assert row.active == pytest.approx((1 * 1 + 1 * 2 + 1 * 2) / 3)  # alone 1 s, then with other
+    assert row.inv == [pytest.approx(1 / (1 + c) + 2 / (2 + c)) for c in OFFSETS]
+    longer = next(r for r in rec.workload.rollouts if r.start == 1.0)
+    assert longer.tool_s == pytest.approx(0.0) and longer.active == pytest.approx(9 / 7)
 
 
-def test_a_runs_environment_time_is_recorded_and_the_plan_names_it(tmp_path: Path) -> None:
+def test_a_runs_time_outside_model_calls_is_recorded_and_the_plan_replays_it(
+    tmp_path: Path,
+) -> None:
     # On the virtual clock each sim rollout waits `reward_delay_s` after its model call.
     _sim_run(tmp_path, "train.total_steps=2", "workflow.args.reward_delay_s=2.0")
     workload = read_workload(tmp_path)
     assert workload.rollouts
     assert all(r.tool_s == pytest.approx(2.0) for r in workload.rollouts)
-    f = fit(workload)
-    (said,) = [a for a in f.assumed if "outside model calls" in a]
+    (said,) = [m for m in fit(workload).measured if "outside model calls" in m]
     outside = 2.0 * len(workload.rollouts) / sum(r.end - r.start for r in workload.rollouts)
-    assert f"rollouts spent {outside:.0%} of their time outside model calls" in said
+    assert f"{outside:.0%} of the rollouts' time, replayed per rollout" in said

@@ -9,7 +9,7 @@ import numbers
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from rllm_async.backends.base import Completion, PolicyClient, SamplingParams
 from rllm_async.rollout.chat import ChatHistory
@@ -49,6 +49,15 @@ class ChatTurn:
         return str(self.step.info.get("finish_reason", "stop"))
 
 
+class CallMeter(Protocol):
+    """Told when each model call of a rollout begins and ends (its wait for a weight sync
+    included), on the event loop's clock: the workload record's view of the engine's load."""
+
+    def call_began(self, now: float) -> None: ...
+
+    def call_ended(self, now: float) -> None: ...
+
+
 class RolloutContext:
     """The policy as one rollout sees it: every call is recorded as a Step of the calling actor.
 
@@ -78,6 +87,7 @@ class RolloutContext:
         attempt: int = 0,
         version: int | None = None,
         parser: ReplyParser | None = None,
+        meter: CallMeter | None = None,
     ) -> None:
         self.policy = policy
         self.parser = parser or reply_parser(policy.tokenizer)
@@ -93,9 +103,7 @@ class RolloutContext:
         self._owns_version = False
         self._trajectories: dict[str, Trajectory] = {}
         self._chats: dict[str, ChatHistory] = {}
-        # Seconds spent in model calls, waits for weight syncs included: the rest of a rollout's
-        # time is its workflow's own (tools, environment, reward).
-        self.model_s = 0.0
+        self._meter = meter
 
     @property
     def deadline(self) -> float:
@@ -179,16 +187,21 @@ class RolloutContext:
                 "a decoding constraint (structured) was given but this policy's engine cannot "
                 "constrain decoding (the vLLM engine can): check the reply after sampling instead"
             )
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        waiting = self._wait_unpaused()
-        if not (isinstance(waiting, asyncio.Future) and waiting.done()):
-            await self._wait_out_sync(waiting)
-        if self._pin and self._version is None:
-            self._version = self.policy.acquire()
-            self._owns_version = True
-        out = await self.policy.generate(prompt_ids, params, version=self._version)
-        self.model_s += loop.time() - t0
+        meter = self._meter
+        if meter is not None:
+            loop = asyncio.get_running_loop()
+            meter.call_began(loop.time())
+        try:
+            waiting = self._wait_unpaused()
+            if not (isinstance(waiting, asyncio.Future) and waiting.done()):
+                await self._wait_out_sync(waiting)
+            if self._pin and self._version is None:
+                self._version = self.policy.acquire()
+                self._owns_version = True
+            out = await self.policy.generate(prompt_ids, params, version=self._version)
+        finally:
+            if meter is not None:
+                meter.call_ended(loop.time())
         step = Step(
             prompt_ids=list(prompt_ids),
             completion_ids=out.ids,

@@ -27,13 +27,22 @@ class SimWorkflowError(RuntimeError):
     """An injected workflow failure (`exception_rate`, `fail_tasks`)."""
 
 
-class RecordedGroup(BaseModel):
-    """A group of a recorded run: its rollouts' completion lengths, and whether it was filtered
-    (None: not known)."""
+class RecordedRollout(BaseModel):
+    """A rollout of a recorded run: its completion tokens, model calls, and seconds outside them."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    lengths: list[int] = Field(min_length=1)
+    completion: int = Field(ge=1)
+    turns: int = Field(default=1, ge=1)
+    tool_s: float = Field(default=0.0, ge=0.0)
+
+
+class RecordedGroup(BaseModel):
+    """A group of a recorded run: its rollouts, and whether it was filtered (None: not known)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rollouts: list[RecordedRollout] = Field(min_length=1)
     filtered: bool | None = None
 
 
@@ -47,7 +56,8 @@ class SimWorkflowArgs(BaseModel):
     len_sigma: float = Field(default=LEN_SIGMA, ge=0.0)
     len_cap: int = Field(default=LEN_CAP, ge=1)
     # Recorded groups to draw from instead of the lognormal (`rllm-async plan`): each task draws
-    # one, and its rollouts take the group's lengths in turn.
+    # one, and its rollouts take the group's in turn, each replayed as its turns' model calls
+    # (its tokens split evenly) with its time outside them shared out after each.
     groups: list[RecordedGroup] = Field(default_factory=list)
     # Filtered tasks reward every rollout 0, so the zero-variance filter drops their groups; the
     # other tasks' rollouts alternate 1 and 0 (`rllm-async plan`). A task filters as its recorded
@@ -92,11 +102,19 @@ class SimWorkflow(Workflow):
         group = None
         if a.groups:
             group = a.groups[int(uniforms(a.seed, task_id, "group", n=1)[0] * len(a.groups))]
-            length = group.lengths[ctx.rollout_index % len(group.lengths)]
+            recorded = group.rollouts[ctx.rollout_index % len(group.rollouts)]
+            calls = min(recorded.turns, recorded.completion)
+            per_call, longer = divmod(recorded.completion, calls)
+            lengths = [per_call + (i < longer) for i in range(calls)]
+            outside = recorded.tool_s / calls
         else:
-            length = rollout_length(u_len, a.len_median, a.len_sigma, a.len_cap)
+            lengths = [rollout_length(u_len, a.len_median, a.len_sigma, a.len_cap)]
+            outside = 0.0
         prompt = ctx.policy.tokenizer.encode(str(task.get("prompt", task_id)))
-        out = await ctx.generate(prompt, max_tokens=length)
+        for length in lengths:
+            out = await ctx.generate(prompt, max_tokens=length)
+            if outside:
+                await asyncio.sleep(outside)
         if u_hang < a.hang_rate:
             await asyncio.get_running_loop().create_future()  # never resolves
         if u_exc < a.exception_rate:
