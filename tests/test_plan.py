@@ -184,7 +184,7 @@ def test_each_task_draws_a_recorded_group_and_filters_as_it_did(small_run: Path)
     for row in workload.rollouts:
         row.filtered = row.group is not None and row.group % 2 == 0
     f = fit(workload)
-    recorded = {(tuple(g.lengths), g.filtered) for g in f.groups}
+    recorded = {(tuple(r.completion for r in g.rollouts), g.filtered) for g in f.groups}
     quiet = [f"run_dir={small_run / 'groups'}", *QUIET]
     config = sim_config(f, recorded_candidate(f), 6, 3, quiet)
     trainer = UnifiedTrainer(config, workflow=workflow(f, 3))
