@@ -50,8 +50,8 @@ class RolloutRow:
     turns: int
     active: float
     inv: list[float]
-    # Seconds outside model calls (and waits for weight syncs): tools, environment, reward
-    # (None: recorded before these were).
+    # Seconds outside model calls (a call's wait for a weight sync is inside it): tools,
+    # environment, reward (None: recorded before these were).
     tool_s: float | None = None
     # The parts of `inv` spent while the learner trained and synced weights (None: recorded
     # before these were, read as generation beside nothing).
@@ -127,10 +127,8 @@ class RolloutMeter:
 
     def call_ended(self, now: float) -> None:
         kept = self.kept
-        if kept is None:
-            self._recorder._load(now, -1)
-        else:
-            self._recorder._load(now, -1, kept.call_closed)
+        self._recorder._load(now, -1, None if kept is None else kept.call_closed)
+        if kept is not None:
             kept.model_s += now - self._began
 
 
@@ -150,8 +148,8 @@ class WorkloadRecorder:
     """Collects a run's workload; `write` puts it in the run directory.
 
     Which groups are kept is decided when they are dispatched (a reservoir sample of
-    `cap // meta["group_size"]` groups); every rollout's start and end is logged, and the running
-    integrals advance over the log in batches.
+    `cap // meta["group_size"]` groups); every model call's beginning and end is logged, and the
+    running integrals advance over the log in batches.
     """
 
     def __init__(
