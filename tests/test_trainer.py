@@ -420,6 +420,7 @@ def test_the_collector_is_set_for_rollouts_during_a_fit_and_restored_after(tmp_p
         train_tasks=tasks(8),
     )
     fit(trainer)
-    # Young objects collected every 50,000 allocations, start-up's objects frozen; then as before.
-    assert len(seen) == 2 and all(young == 50_000 and frozen > 0 for young, frozen in seen)
+    # Young objects collected once tracked objects grew by 500,000, start-up's objects frozen;
+    # then as before.
+    assert len(seen) == 2 and all(young == 500_000 and frozen > 0 for young, frozen in seen)
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
