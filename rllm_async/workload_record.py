@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ OFFSETS = (0.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
 PHASES = ("train", "sync")  # what the learner may be doing beside generation
 _OFFSETS = np.array(OFFSETS)
 _BATCH = 4096  # pending starts and ends integrated at once
+_ACC_COLUMNS = 2 + (1 + len(PHASES)) * len(OFFSETS)  # a kept rollout's time, area, integrals
 
 
 @dataclass(slots=True)
@@ -81,55 +81,32 @@ class StepRow:
 @dataclass(slots=True)
 class KeptGroup:
     """A dispatched group the reservoir keeps: its number among the started groups, its rollouts
-    that finished with an episode (their meters, end times and token counts), and whether it was
-    filtered once it ended."""
+    that finished with an episode (each one's accumulator slot, end time, prompt and completion
+    tokens and turns), and whether it was filtered once it ended."""
 
     id: int
-    done: list[tuple[_Kept, float, int, int, int]] = field(default_factory=list)
+    done: list[tuple[int, float, int, int, int]] = field(default_factory=list)
     filtered: bool | None = None
-
-
-@dataclass(slots=True)
-class _Kept:
-    """A started rollout of a kept group: its group and start time, and what its model calls
-    have added up to (their seconds, and the counters' increments over them once integrated)."""
-
-    group: KeptGroup
-    start: float
-    model_s: float = 0.0
-    area: float = 0.0
-    inv: np.ndarray = field(default_factory=lambda: np.zeros((1 + len(PHASES), len(OFFSETS))))
-    at_call: tuple[float, np.ndarray] | None = None  # the counters when its call began
-
-    def call_opened(self, area: float, inv: np.ndarray) -> None:
-        self.at_call = (area, inv)
-
-    def call_closed(self, area: float, inv: np.ndarray) -> None:
-        assert self.at_call is not None  # the call's beginning came first
-        self.area += area - self.at_call[0]
-        self.inv += inv - self.at_call[1]
 
 
 class RolloutMeter:
     """One rollout as its context reports it to the recorder: each model call's beginning and
-    end (`rllm_async.rollout.CallMeter`); the engine's load is the number of rollouts in a call."""
+    end (`rllm_async.rollout.CallMeter`); the engine's load is the number of rollouts in a call.
+    A kept rollout's meter has its group and a `slot` in the recorder's accumulator, which adds
+    up its calls' seconds and integrals; every other rollout shares one meter without."""
 
-    __slots__ = ("_began", "_recorder", "kept")
+    __slots__ = ("_recorder", "group", "slot")
 
-    def __init__(self, recorder: WorkloadRecorder, kept: _Kept | None) -> None:
-        self._recorder, self.kept = recorder, kept
-        self._began = 0.0
+    def __init__(
+        self, recorder: WorkloadRecorder, group: KeptGroup | None, slot: int | None
+    ) -> None:
+        self._recorder, self.group, self.slot = recorder, group, slot
 
     def call_began(self, now: float) -> None:
-        kept = self.kept
-        self._recorder._load(now, 1, None if kept is None else kept.call_opened)
-        self._began = now
+        self._recorder._load(now, 1, self.slot, -1.0)
 
     def call_ended(self, now: float) -> None:
-        kept = self.kept
-        self._recorder._load(now, -1, None if kept is None else kept.call_closed)
-        if kept is not None:
-            kept.model_s += now - self._began
+        self._recorder._load(now, -1, self.slot, 1.0)
 
 
 @dataclass(slots=True)
@@ -179,29 +156,31 @@ class WorkloadRecorder:
         # date when read.
         self._times: list[float] = []
         self._counts: list[int] = []
-        self._marks: list[tuple[int, Callable[[float, np.ndarray], None]]] = []
+        # Where a kept rollout's call began (sign -1) or ended (+1): the event's index in the
+        # log, and the rollout's slot in `_acc`, which adds up sign * (the time, the area and
+        # the integrals there), so that each row holds its calls' seconds and integrals.
+        self._marks: list[tuple[int, int, float]] = []
+        self._acc = np.zeros((64, _ACC_COLUMNS))
+        self._starts: list[float] = []  # by slot
+        self._unkept = RolloutMeter(self, None, None)
         self._tokens = 0
         self._train_s = 0.0
         self._calls: list[list[float]] = []
 
-    def _event(self, now: float, then: Callable[[float, np.ndarray], None] | None = None) -> None:
-        """Log a start or end at `now`; `then` gets the integrals there once they are known."""
-        if then is not None:
-            self._marks.append((len(self._times), then))
-        self._times.append(now)
+    def _load(self, now: float, change: int, slot: int | None = None, sign: float = 0.0) -> None:
+        """`change` rollouts entered (or left) a model call at `now`; a kept rollout's `slot`
+        gets `sign` times the integrals there once they are known."""
+        times = self._times
+        if slot is not None:
+            self._marks.append((len(times), slot, sign))
+        times.append(now)
         self._counts.append(self._active)
-        if len(self._times) >= _BATCH:
+        self._active += change
+        if len(times) >= _BATCH:
             self._integrate()
 
-    def _load(
-        self, now: float, change: int, then: Callable[[float, np.ndarray], None] | None = None
-    ) -> None:
-        """`change` rollouts entered (or left) a model call at `now`; see `_event` for `then`."""
-        self._event(now, then)
-        self._active += change
-
     def _integrate(self) -> None:
-        """Fold the logged events into the running integrals, handing each mark its values."""
+        """Fold the logged events into the running integrals, and the marks into `_acc`."""
         if not self._times:
             return
         t = np.array(self._times)
@@ -214,8 +193,14 @@ class WorkloadRecorder:
         self._busy[0] += busy
         if self._phase:
             self._busy[self._phase] += busy
-        for i, then in self._marks:
-            then(float(area[i]), self._with(inv[i]))
+        if self._marks:
+            marks = np.array(self._marks)
+            at, slots = marks[:, 0].astype(int), marks[:, 1].astype(int)
+            values = np.empty((len(at), _ACC_COLUMNS))
+            values[:, 0] = t[at]
+            values[:, 1] = area[at]
+            values[:, 2:] = self._with(inv[at]).reshape(len(at), -1)
+            np.add.at(self._acc, slots, marks[:, 2:] * values)
         self._area, self._inv = float(area[-1]), self._with(inv[-1])
         self._t_last = max(self._t_last, self._times[-1])
         self._times.clear()
@@ -223,16 +208,16 @@ class WorkloadRecorder:
         self._marks.clear()
 
     def _with(self, step: np.ndarray) -> np.ndarray:
-        """The integrals with `step` more of this phase."""
-        out = self._inv.copy()
-        out[0] += step
+        """The integrals with `step` (one row, or one per event) more of this phase."""
+        out = np.broadcast_to(self._inv, step.shape[:-1] + self._inv.shape).copy()
+        out[..., 0, :] += step
         if self._phase:
-            out[self._phase] += step
+            out[..., self._phase, :] += step
         return out
 
     def phase(self, now: float, name: str | None) -> None:
         """From `now` the learner is doing `name` (one of `PHASES`), or nothing (None)."""
-        self._event(now)
+        self._load(now, 0)
         self._integrate()
         self._phase = 0 if name is None else 1 + PHASES.index(name)
 
@@ -259,37 +244,45 @@ class WorkloadRecorder:
 
     def started(self, now: float, group: KeptGroup | None) -> RolloutMeter:
         """A rollout of `group` started; the meter its model calls report to, to hand to
-        `finished` (kept when its group is)."""
-        return RolloutMeter(self, None if group is None else _Kept(group, now))
+        `finished` (with a slot of its own when its group is kept)."""
+        if group is None:
+            return self._unkept
+        slot = len(self._starts)
+        self._starts.append(now)
+        if slot == len(self._acc):
+            self._acc = np.concatenate([self._acc, np.zeros_like(self._acc)])
+        return RolloutMeter(self, group, slot)
 
     def finished(self, now: float, meter: RolloutMeter, episode: Episode | None) -> None:
         """A rollout ended, its calls too; recorded when it was kept and produced an episode."""
         if episode is None:
             return
         self._finished += 1
-        kept = meter.kept
-        if kept is not None:
+        group = meter.group
+        if group is not None and meter.slot is not None:
             steps = [s for t in episode.trajectories for s in t.steps]
             prompt = len(steps[0].prompt_ids) if steps else 0
-            kept.group.done.append((kept, now, prompt, episode.num_completion_tokens, len(steps)))
+            completion = episode.num_completion_tokens
+            group.done.append((meter.slot, now, prompt, completion, len(steps)))
 
-    @staticmethod
     def _row(
-        group: KeptGroup, kept: _Kept, end: float, prompt: int, completion: int, turns: int
+        self, group: KeptGroup, slot: int, end: float, prompt: int, completion: int, turns: int
     ) -> RolloutRow:
         """The row of a kept rollout that ended at `end`, its calls integrated."""
-        diff = kept.inv.tolist()
+        start, acc = self._starts[slot], self._acc[slot]
+        model_s, area = float(acc[0]), float(acc[1])
+        inv = acc[2:].reshape(1 + len(PHASES), len(OFFSETS)).tolist()
         return RolloutRow(
-            start=kept.start,
+            start=start,
             end=end,
             prompt=prompt,
             completion=completion,
             turns=turns,
-            active=kept.area / kept.model_s if kept.model_s > 0 else 0.0,
-            inv=diff[0],
-            tool_s=max(0.0, end - kept.start - kept.model_s),
-            inv_train=diff[1],
-            inv_sync=diff[2],
+            active=area / model_s if model_s > 0 else 0.0,
+            inv=inv[0],
+            tool_s=max(0.0, end - start - model_s),
+            inv_train=inv[1],
+            inv_sync=inv[2],
             group=group.id,
             filtered=group.filtered,
         )
