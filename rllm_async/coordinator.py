@@ -10,8 +10,9 @@ from dataclasses import asdict, dataclass
 from rllm_async.config import CoordinatorConfig
 
 
-class GroupState(enum.Enum):
-    """Where a dispatched group is. Every group is in exactly one state."""
+class GroupState(enum.StrEnum):
+    """Where a dispatched group is. Every group is in exactly one state; each state's value names
+    its field of `Counts`."""
 
     IN_FLIGHT = "in_flight"
     BUFFERED = "buffered"
@@ -118,7 +119,7 @@ class SyncCoordinator:
         self.requeued = 0
         self.on_event: Callable[[str, Counts], None] | None = None  # observer, e.g. for tests
         self._hook = on_policy_updated
-        self._changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None  # made when someone waits, set by `notify`
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._no_sync: asyncio.Future[None] | None = None  # `wait_unpaused` with no sync: shared
@@ -157,14 +158,15 @@ class SyncCoordinator:
     def move(self, src: GroupState, dst: GroupState, *, requeued: bool = False) -> None:
         """Move one group from `src` to `dst`; checks the conservation invariant."""
         if dst not in _MOVES.get(src, ()):
-            raise RuntimeError(f"illegal group transition {src.value} -> {dst.value}")
+            raise RuntimeError(f"illegal group transition {src} -> {dst}")
         c = self.counts
-        if getattr(c, src.value) <= 0:
-            raise RuntimeError(f"no group is {src.value}; cannot move one to {dst.value}")
-        setattr(c, src.value, getattr(c, src.value) - 1)
-        setattr(c, dst.value, getattr(c, dst.value) + 1)
+        held = getattr(c, src)
+        if held <= 0:
+            raise RuntimeError(f"no group is {src}; cannot move one to {dst}")
+        setattr(c, src, held - 1)
+        setattr(c, dst, getattr(c, dst) + 1)
         self.requeued += requeued
-        self._event(dst.value)
+        self._event(dst)
 
     def restore(self, version: int) -> None:
         """Resume at `version`: the groups consumed before it count toward admission as in the
@@ -283,13 +285,15 @@ class SyncCoordinator:
         Time while a weight sync runs is not counted: a sync is progress, bounded by its own
         `sync_timeout_s`, and it ends with an event that wakes every waiter.
         """
-        loop = asyncio.get_running_loop()
         waited = 0.0
         while not predicate():
+            if self._changed is None:
+                self._changed = asyncio.Event()
             changed = self._changed
             if self.paused:
                 await changed.wait()
                 continue
+            loop = asyncio.get_running_loop()
             t0 = loop.time()
             try:
                 async with asyncio.timeout(self.config.stall_timeout_s - waited):
@@ -304,8 +308,9 @@ class SyncCoordinator:
 
     def notify(self) -> None:
         """Wake every waiter to re-check its condition."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
 
     def snapshot(self) -> dict[str, int]:
         return {**asdict(self.counts), "requeued": self.requeued, "version": self.version}
