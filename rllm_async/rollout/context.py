@@ -165,16 +165,7 @@ class RolloutContext:
         messages: list[dict[str, Any]] | None = None,
         **sampling: Any,
     ) -> Completion:
-        """Sample a completion for exact prompt tokens and record it as a Step of `actor`."""
-        return (await self._generate(prompt_ids, actor, messages, sampling))[0]
-
-    async def _generate(
-        self,
-        prompt_ids: list[int],
-        actor: str,
-        messages: list[dict[str, Any]] | None,
-        sampling: dict[str, Any],
-    ) -> tuple[Completion, Step]:
+        """Sample a completion for exact prompt tokens and record it as the latest Step of `actor`."""
         limit = self.max_context_tokens
         if limit is not None and len(prompt_ids) >= limit:
             raise ContextLengthError(
@@ -213,7 +204,7 @@ class RolloutContext:
         if params.structured is not None:
             step.info["structured"] = params.structured  # the tokens were sampled under it
         self.trajectory(actor).steps.append(step)
-        return out, step
+        return out
 
     async def chat(
         self,
@@ -258,7 +249,8 @@ class RolloutContext:
         except Exception as e:  # templates raise anything, jinja2 errors included
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from e
         prompt_ids += tok.encode(prefix)
-        out, step = await self._generate(prompt_ids, actor, messages, sampling)
+        out = await self.generate(prompt_ids, actor=actor, messages=messages, **sampling)
+        step = self.trajectory(actor).steps[-1]
         parsed = self.parser.read(
             tok,
             prompt_ids,
