@@ -76,19 +76,16 @@ class _BusyMeter:
         self._since = now
         self._idle = 0.0
 
-    def _tick(self, now: float) -> None:
+    def change(self, now: float, delta: int = 0, blocked: bool | None = None) -> None:
         if self.active == 0 or self.blocked:
             self._idle += now - self._since
         self._since = now
-
-    def change(self, now: float, delta: int = 0, blocked: bool | None = None) -> None:
-        self._tick(now)
         self.active += delta
         if blocked is not None:
             self.blocked = blocked
 
     def take_idle(self, now: float) -> float:
-        self._tick(now)
+        self.change(now)
         idle, self._idle = self._idle, 0.0
         return idle
 

@@ -21,7 +21,8 @@ from rllm_async.workload_record import KeptGroup, WorkloadRecorder
 
 
 class Generation:
-    """The generation loop of one `fit()`; `run()` ends when the data does (the buffer closed)."""
+    """The generation loop of one `fit()`, built in its event loop; `run()` ends when the data
+    does (the buffer closed)."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class Generation:
         self.dispatch_ids = itertools.count()
         self.breaker = FailureRateBreaker(config)
         self.no_signal = NoSignalGuard(config)
+        self._clock = asyncio.get_running_loop().time
 
     async def run(self) -> None:
         """Dispatch tasks as admission allows, fire and forget; close the buffer at the data's end."""
@@ -80,10 +82,9 @@ class Generation:
         """One rollout of a dispatched group, into the buffer; the group's end when it completes
         (`kept`: the group as the workload record keeps it, if it does)."""
         ro, record = self.config.rollout, self.record
-        loop = asyncio.get_running_loop()
         start = await self.slots.acquire()
         try:
-            now = loop.time()
+            now = self._clock()
             self.coordinator.rollout_started(now)
             meter = self.workload.started(now, kept)
             episode = None
@@ -104,7 +105,7 @@ class Generation:
                 )
                 episode = rollout.episode
             finally:
-                now = loop.time()
+                now = self._clock()
                 self.coordinator.rollout_finished(now)
                 self.workload.finished(now, meter, episode)
         finally:

@@ -140,7 +140,8 @@ class UnifiedTrainer:
         buffer, the task source, evaluation, the checkpoint to resume from, the step record, the
         workload record and the generation loop."""
         cfg, coord, callbacks = self.config, self.coordinator, self.callbacks
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         cfg.run_path.mkdir(parents=True, exist_ok=True)
         _write_config(cfg, cfg.run_path / "config.yaml")
         buffer = TrajectoryGroupBuffer.from_config(cfg, coord, self.advantage_fn)
@@ -157,7 +158,7 @@ class UnifiedTrainer:
         initial = checkpoint.read_state(resume_from).version if resume_from else 0
         record = StepRecord.from_config(cfg, self.records, coord.snapshot(), now, initial)
         meta = _workload_meta(cfg, self.virtual_clock)
-        workload = WorkloadRecorder(meta, start=now, seed=cfg.seed)
+        workload = WorkloadRecorder(meta, clock=loop.time, start=now, seed=cfg.seed)
         generation = Generation(cfg, self.workflow, policy, coord, buffer, source, record, workload)
         return _Fit(
             cfg,

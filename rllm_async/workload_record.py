@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -102,11 +103,13 @@ class RolloutMeter:
     ) -> None:
         self._recorder, self.group, self.slot = recorder, group, slot
 
-    def call_began(self, now: float) -> None:
-        self._recorder._load(now, 1, self.slot, -1.0)
+    def call_began(self) -> None:
+        recorder = self._recorder
+        recorder._load(recorder.clock(), 1, self.slot, -1.0)
 
-    def call_ended(self, now: float) -> None:
-        self._recorder._load(now, -1, self.slot, 1.0)
+    def call_ended(self) -> None:
+        recorder = self._recorder
+        recorder._load(recorder.clock(), -1, self.slot, 1.0)
 
 
 @dataclass(slots=True)
@@ -130,9 +133,16 @@ class WorkloadRecorder:
     """
 
     def __init__(
-        self, meta: dict[str, Any], *, start: float = 0.0, cap: int = CAP, seed: int = 0
+        self,
+        meta: dict[str, Any],
+        *,
+        clock: Callable[[], float],
+        start: float = 0.0,
+        cap: int = CAP,
+        seed: int = 0,
     ) -> None:
         self.meta = {**meta, "start": start}
+        self.clock = clock  # what the meters time model calls on: the event loop's
         self.cap = cap
         self._group_cap = max(1, cap // int(meta.get("group_size", 1)))
         self._groups: list[KeptGroup] = []  # by reservoir slot

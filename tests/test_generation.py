@@ -37,9 +37,10 @@ def _generate(
         coord = SyncCoordinator(config.coordinator, config.train.groups_per_step, _no_hook)
         buffer = TrajectoryGroupBuffer.from_config(config, coord, get_advantage_fn("grpo"))
         source = TaskSource.from_config(config, tasks(n_tasks))
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         record = StepRecord(MetricsAggregator(), [], coord.snapshot(), now)
-        workload = WorkloadRecorder({}, start=now)
+        workload = WorkloadRecorder({}, clock=loop.time, start=now)
         generation = Generation(
             config, workflow, FakePolicy(), coord, buffer, source, record, workload
         )

@@ -28,16 +28,31 @@ def _episode(tokens: int, turns: int = 1) -> Episode:
     return Episode("t", [Trajectory(steps)])
 
 
+class _Clock:
+    """The time the recorders' meters read: set by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+CLOCK = _Clock()
+
+
 def _begin(rec: WorkloadRecorder, now: float, group: KeptGroup | None) -> RolloutMeter:
     """A rollout of `group` that starts, and begins a model call, at `now`."""
     meter = rec.started(now, group)
-    meter.call_began(now)
+    CLOCK.now = now
+    meter.call_began()
     return meter
 
 
 def _end(rec: WorkloadRecorder, now: float, meter: RolloutMeter, episode: Episode | None) -> None:
     """Its call ends at `now`, and the rollout with it."""
-    meter.call_ended(now)
+    CLOCK.now = now
+    meter.call_ended()
     rec.finished(now, meter, episode)
 
 
@@ -76,7 +91,7 @@ def test_a_sim_run_writes_its_workload_and_it_round_trips(tmp_path: Path) -> Non
 
 
 def test_the_active_count_is_time_averaged() -> None:
-    rec = WorkloadRecorder({"mode": "async"}, seed=1)
+    rec = WorkloadRecorder({"mode": "async"}, clock=CLOCK, seed=1)
     long = _begin(rec, 0.0, rec.group_started())
     for i in range(100):
         _end(rec, 1.5 + i, _begin(rec, 1.0 + i, rec.group_started()), _episode(i + 1))
@@ -94,7 +109,7 @@ def test_the_active_count_is_time_averaged() -> None:
 
 def test_the_rollouts_are_a_bounded_reservoir_of_whole_groups() -> None:
     # Groups of 4 with room for 12 rows: 3 of the 200 groups are kept whole, with their outcome.
-    rec = WorkloadRecorder({"group_size": 4}, cap=12, seed=1)
+    rec = WorkloadRecorder({"group_size": 4}, clock=CLOCK, cap=12, seed=1)
     first = rec.group_started()
     meters = [_begin(rec, 0.0, first) for _ in range(4)]  # still running while the rest pass
     for g in range(1, 200):
@@ -119,7 +134,7 @@ def test_the_rollouts_are_a_bounded_reservoir_of_whole_groups() -> None:
 
 
 def test_failed_rollouts_are_counted_out() -> None:
-    rec = WorkloadRecorder({}, cap=10)
+    rec = WorkloadRecorder({}, clock=CLOCK, cap=10)
     _end(rec, 1.0, _begin(rec, 0.0, rec.group_started()), None)
     _end(rec, 3.0, _begin(rec, 2.0, rec.group_started()), _episode(4))
     w = rec.workload
@@ -128,7 +143,7 @@ def test_failed_rollouts_are_counted_out() -> None:
 
 
 def test_steps_gather_their_forward_backward_calls() -> None:
-    rec = WorkloadRecorder({}, cap=2)
+    rec = WorkloadRecorder({}, clock=CLOCK, cap=2)
     rec.trained(100, 1.0)
     rec.trained(50, 0.5)
     rec.step(1, 2.0, 0.1, 0.2)
@@ -139,7 +154,7 @@ def test_steps_gather_their_forward_backward_calls() -> None:
 
 def test_the_integrals_are_split_by_what_the_learner_was_doing() -> None:
     # One rollout alone from 0 to 4 s: training 1-2 s, a weight sync 3-3.5 s, nothing otherwise.
-    rec = WorkloadRecorder({"mode": "async"})
+    rec = WorkloadRecorder({"mode": "async"}, clock=CLOCK)
     meter = _begin(rec, 0.0, rec.group_started())
     rec.phase(1.0, "train")
     rec.phase(2.0, None)
@@ -153,7 +168,7 @@ def test_the_integrals_are_split_by_what_the_learner_was_doing() -> None:
 
 
 def test_a_record_from_before_the_split_reads_with_no_phases(tmp_path: Path) -> None:
-    rec = WorkloadRecorder({"mode": "sync"})
+    rec = WorkloadRecorder({"mode": "sync"}, clock=CLOCK)
     _end(rec, 1.0, _begin(rec, 0.0, rec.group_started()), _episode(4))
     path = write_workload(rec.workload, tmp_path / FILE_NAME)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
@@ -168,7 +183,7 @@ def test_a_record_from_before_the_split_reads_with_no_phases(tmp_path: Path) -> 
 def test_each_forward_backward_call_records_its_time_beside_rollouts() -> None:
     # A rollout runs from 0 to 4 s; one call trains 1-2 s beside it, one 3.5-5 s half beside it,
     # one 6-7 s alone.
-    rec = WorkloadRecorder({"mode": "sync"})
+    rec = WorkloadRecorder({"mode": "sync"}, clock=CLOCK)
     meter = _begin(rec, 0.0, rec.group_started())
     rec.phase(1.0, "train")
     rec.phase(2.0, None)
@@ -200,12 +215,12 @@ def test_the_record_reads_the_config_of_its_run(tmp_path: Path) -> None:
 def test_the_engines_load_counts_rollouts_in_a_model_call_only() -> None:
     # A two-turn rollout from 0 to 10 s: calls 0-2 s and 6-7 s, its tool between; another
     # rollout's call runs 1-8 s.
-    rec = WorkloadRecorder({})
+    rec = WorkloadRecorder({}, clock=CLOCK)
     agent = _begin(rec, 0.0, rec.group_started())
     other = _begin(rec, 1.0, rec.group_started())
-    agent.call_ended(2.0)
-    agent.call_began(6.0)
-    agent.call_ended(7.0)
+    for now, call in ((2.0, agent.call_ended), (6.0, agent.call_began), (7.0, agent.call_ended)):
+        CLOCK.now = now
+        call()
     _end(rec, 8.0, other, _episode(3))
     rec.finished(10.0, agent, _episode(5, turns=2))
     row = next(r for r in rec.workload.rollouts if r.start == 0.0)

@@ -51,11 +51,11 @@ class ChatTurn:
 
 class CallMeter(Protocol):
     """Told when each model call of a rollout begins and ends (its wait for a weight sync
-    included), on the event loop's clock: the workload record's view of the engine's load."""
+    included), which it times on its own clock: the workload record's view of the engine's load."""
 
-    def call_began(self, now: float) -> None: ...
+    def call_began(self) -> None: ...
 
-    def call_ended(self, now: float) -> None: ...
+    def call_ended(self) -> None: ...
 
 
 class RolloutContext:
@@ -180,8 +180,7 @@ class RolloutContext:
             )
         meter = self._meter
         if meter is not None:
-            loop = asyncio.get_running_loop()
-            meter.call_began(loop.time())
+            meter.call_began()
         try:
             waiting = self._wait_unpaused()
             if not (isinstance(waiting, asyncio.Future) and waiting.done()):
@@ -192,7 +191,7 @@ class RolloutContext:
             out = await self.policy.generate(prompt_ids, params, version=self._version)
         finally:
             if meter is not None:
-                meter.call_ended(loop.time())
+                meter.call_ended()
         step = Step(
             prompt_ids=list(prompt_ids),
             completion_ids=out.ids,
