@@ -8,7 +8,6 @@ import math
 import numbers
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, Protocol
 
 from rllm_async.backends.base import Completion, PolicyClient, SamplingParams
@@ -90,10 +89,14 @@ class RolloutContext:
         meter: CallMeter | None = None,
     ) -> None:
         self.policy = policy
+        # Prompt + completion tokens the policy fits, when its client says (`max_context_tokens`).
+        limit = getattr(policy, "max_context_tokens", None)
+        self.max_context_tokens = int(limit) if isinstance(limit, int) else None
         self.parser = parser or reply_parser(policy.tokenizer)
         self.sampling = sampling
         self._deadline = deadline
-        self._scopes: dict[Deadline, float] = {}  # open `timeout()` scopes: their margins
+        # The `timeout()` scopes made, by their margins (one left only keeps its time when moved).
+        self._scopes: dict[Deadline, float] = {}
         self.task_id = task_id
         self.rollout_index = rollout_index
         self.attempt = attempt
@@ -110,21 +113,17 @@ class RolloutContext:
         """When this episode must end, on the event loop's clock; later by every sync it waited for."""
         return self._deadline
 
-    def timeout(self, margin_s: float = 0.0) -> _DeadlineScope:
+    def timeout(self, margin_s: float = 0.0) -> Deadline:
         """A scope that raises TimeoutError `margin_s` before the deadline, and moves with it:
         `with ctx.timeout(margin_s):` (or `async with`, as with `asyncio.timeout`)."""
-        return _DeadlineScope(self, margin_s)
+        scope = Deadline(self._deadline - margin_s)
+        self._scopes[scope] = margin_s
+        return scope
 
     @property
     def time_left(self) -> float:
         """Seconds until this episode's deadline, on the event loop's clock."""
         return self.deadline - asyncio.get_running_loop().time()
-
-    @property
-    def max_context_tokens(self) -> int | None:
-        """Prompt + completion tokens the policy fits, when its client says (`max_context_tokens`)."""
-        limit = getattr(self.policy, "max_context_tokens", None)
-        return int(limit) if isinstance(limit, int) else None
 
     @property
     def pinned_version(self) -> int | None:
@@ -288,8 +287,7 @@ class RolloutContext:
 
     def _reschedule(self, *, stopped: bool) -> None:
         for scope, margin_s in self._scopes.items():
-            if not scope.expired():
-                scope.reschedule(None if stopped else self._deadline - margin_s)
+            scope.reschedule(None if stopped else self._deadline - margin_s)
 
     def set_reward(self, reward: float, actor: str = "default") -> None:
         self.trajectory(actor).reward = float(reward)
@@ -341,42 +339,6 @@ class RolloutContext:
                 termination=Termination.DONE,
             )
         )
-
-
-class _DeadlineScope:
-    """`RolloutContext.timeout`: a `Deadline` registered with its context, so that waits for
-    weight syncs move it. A plain `with` (entering awaits nothing), also usable as `async with`."""
-
-    __slots__ = ("_ctx", "_margin_s", "_scope")
-
-    def __init__(self, ctx: RolloutContext, margin_s: float) -> None:
-        self._ctx = ctx
-        self._margin_s = margin_s
-
-    def __enter__(self) -> None:
-        self._scope = Deadline(self._ctx.deadline - self._margin_s)
-        self._scope.__enter__()
-        self._ctx._scopes[self._scope] = self._margin_s
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        del self._ctx._scopes[self._scope]
-        self._scope.__exit__(exc_type, exc, tb)
-
-    async def __aenter__(self) -> None:
-        self.__enter__()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.__exit__(exc_type, exc, tb)
 
 
 def _finished(trajs: list[Trajectory]) -> list[Trajectory]:

@@ -5,7 +5,7 @@ pushes a tuple onto a heap and leaving marks it dead, with no timer handle of it
 thousands of rollouts in flight, each under its own deadline, asyncio's per-scope timer handles
 (objects compared in Python on every heap operation) cost more than the rest of a short rollout.
 Entering needs no await, so it is a plain `with` (as trio's cancel scopes are): no coroutine per
-scope either.
+scope either; `async with` works too.
 """
 
 from __future__ import annotations
@@ -37,10 +37,12 @@ class Deadline:
         return self._expired
 
     def reschedule(self, when: float | None) -> None:
-        """Fire at `when` instead (None: not at all); a scope that already fired stays fired."""
+        """Fire at `when` instead (None: not at all); a scope that already fired stays fired, and
+        one not entered yet or already left only keeps `when`."""
         self._when = when
-        if self._timer is None or self._expired:
+        if self._task is None or self._expired:
             return
+        assert self._timer is not None  # set on entering
         self._timer.drop(self)
         if when is not None:
             self._timer.add(self, when)
@@ -50,10 +52,13 @@ class Deadline:
         task = asyncio.current_task(loop)
         if task is None:
             raise RuntimeError("a Deadline must be entered inside a task")
-        self._task, self._timer = task, _timer(loop)
+        timer = _last  # nearly always this loop's (see `_timer`)
+        if timer is None or timer._loop is not loop:
+            timer = _timer(loop)
+        self._task, self._timer = task, timer
         self._cancelling = task.cancelling()
         if self._when is not None:
-            self._timer.add(self, self._when)
+            timer.add(self, self._when)
         return self
 
     def __exit__(
@@ -68,6 +73,17 @@ class Deadline:
             self._timer.drop(self)
         elif task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
             raise TimeoutError from exc
+
+    async def __aenter__(self) -> Deadline:
+        return self.__enter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.__exit__(exc_type, exc, tb)
 
     def _fire(self) -> None:
         assert self._task is not None

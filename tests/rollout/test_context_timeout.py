@@ -61,3 +61,22 @@ def test_a_wait_for_a_weight_sync_moves_the_scope_by_the_wait() -> None:
         return loop.time() - start
 
     assert run(main(), virtual=True) == pytest.approx(13.0)
+
+
+def test_a_scope_made_before_a_sync_wait_and_entered_after_moves_with_it() -> None:
+    # Made at 0 with a 10 s deadline, then a sync of 5 s, then entered: it fires 2 s before 15 s.
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def sync_of_5_s() -> None:
+            await asyncio.sleep(5.0)
+
+        ctx = _context(start + 10.0, sync_of_5_s)
+        scope = ctx.timeout(2.0)
+        await ctx.generate([1, 2, 3], max_tokens=1)
+        with pytest.raises(TimeoutError), scope:
+            await asyncio.sleep(60)
+        return loop.time() - start
+
+    assert run(main(), virtual=True) == pytest.approx(13.0)

@@ -45,6 +45,22 @@ def test_a_scope_left_in_time_does_not_fire_and_leaves_the_task_uncancelled() ->
     assert run(main()) == (False, 0)
 
 
+def test_a_scope_left_and_then_rescheduled_stays_left() -> None:
+    async def main() -> tuple[bool, int, list[dict[str, Any]]]:
+        loop = asyncio.get_running_loop()
+        errors: list[dict[str, Any]] = []
+        loop.set_exception_handler(lambda loop, context: errors.append(context))
+        with Deadline(loop.time() + 5.0) as scope:
+            await asyncio.sleep(1)
+        scope.reschedule(loop.time() + 1.0)  # as a context moves the scopes it made
+        await asyncio.sleep(10)
+        task = asyncio.current_task()
+        assert task is not None
+        return scope.expired(), task.cancelling(), errors
+
+    assert run(main()) == (False, 0, [])
+
+
 def test_reschedule_moves_the_deadline_and_none_stops_it() -> None:
     async def main() -> float:
         loop = asyncio.get_running_loop()
