@@ -52,13 +52,10 @@ class Deadline:
         task = asyncio.current_task(loop)
         if task is None:
             raise RuntimeError("a Deadline must be entered inside a task")
-        timer = _last  # nearly always this loop's (see `_timer`)
-        if timer is None or timer._loop is not loop:
-            timer = _timer(loop)
-        self._task, self._timer = task, timer
+        self._task, self._timer = task, _timer(loop)
         self._cancelling = task.cancelling()
         if self._when is not None:
-            timer.add(self, self._when)
+            self._timer.add(self, self._when)
         return self
 
     def __exit__(

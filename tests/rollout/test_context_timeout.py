@@ -28,6 +28,10 @@ async def _open() -> None:
     return None
 
 
+async def _sync_of_5_s() -> None:
+    await asyncio.sleep(5.0)
+
+
 @pytest.mark.parametrize("entered", ["with", "async with"])
 def test_the_scope_fires_its_margin_before_the_deadline(entered: str) -> None:
     async def main() -> float:
@@ -51,10 +55,7 @@ def test_a_wait_for_a_weight_sync_moves_the_scope_by_the_wait() -> None:
         loop = asyncio.get_running_loop()
         start = loop.time()
 
-        async def sync_of_5_s() -> None:
-            await asyncio.sleep(5.0)
-
-        ctx = _context(start + 10.0, sync_of_5_s)
+        ctx = _context(start + 10.0, _sync_of_5_s)
         with pytest.raises(TimeoutError), ctx.timeout(2.0):
             await ctx.generate([1, 2, 3], max_tokens=1)  # waits out the sync: 5 s not charged
             await asyncio.sleep(60)
@@ -69,10 +70,7 @@ def test_a_scope_made_before_a_sync_wait_and_entered_after_moves_with_it() -> No
         loop = asyncio.get_running_loop()
         start = loop.time()
 
-        async def sync_of_5_s() -> None:
-            await asyncio.sleep(5.0)
-
-        ctx = _context(start + 10.0, sync_of_5_s)
+        ctx = _context(start + 10.0, _sync_of_5_s)
         scope = ctx.timeout(2.0)
         await ctx.generate([1, 2, 3], max_tokens=1)
         with pytest.raises(TimeoutError), scope:
