@@ -67,22 +67,26 @@ class Counts:
         )
 
 
-class _BusyMeter:
-    """Integrates how long a count was zero (idle), on the event loop's clock."""
+class _IdleMeter:
+    """Integrates how long generation was idle (no rollout running, or model calls paused), on
+    the event loop's clock; told only when either changes."""
 
     def __init__(self, now: float) -> None:
-        self.active = 0
-        self.blocked = False
+        self.running = False
+        self.paused = False
         self._since = now
         self._idle = 0.0
 
-    def change(self, now: float, delta: int = 0, blocked: bool | None = None) -> None:
-        if self.active == 0 or self.blocked:
+    def change(
+        self, now: float, *, running: bool | None = None, paused: bool | None = None
+    ) -> None:
+        if not self.running or self.paused:
             self._idle += now - self._since
         self._since = now
-        self.active += delta
-        if blocked is not None:
-            self.blocked = blocked
+        if running is not None:
+            self.running = running
+        if paused is not None:
+            self.paused = paused
 
     def take_idle(self, now: float) -> float:
         self.change(now)
@@ -120,7 +124,7 @@ class SyncCoordinator:
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._no_sync: asyncio.Future[None] | None = None  # `wait_unpaused` with no sync: shared
-        self._rollouts: _BusyMeter | None = None
+        self._idle: _IdleMeter | None = None  # from the first rollout on
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -220,8 +224,8 @@ class SyncCoordinator:
         loop = asyncio.get_running_loop()
         start = loop.time()
         self._unpaused.clear()
-        if self._rollouts is not None:
-            self._rollouts.change(start, blocked=True)
+        if self._idle is not None:
+            self._idle.change(start, paused=True)
         self.notify()  # waiters stop their stall clocks (see `wait_for`)
         hook_s = 0.0
         try:
@@ -244,35 +248,32 @@ class SyncCoordinator:
             self.version = self.synced_version = version
         finally:
             end = loop.time()
-            if self._rollouts is not None:
-                self._rollouts.change(end, blocked=False)
+            if self._idle is not None:
+                self._idle.change(end, paused=False)
             self._unpaused.set()
             self._event("policy_updated")
         return hook_s, end - start
 
     # -- rollout activity (for the generation idle ratio) ------------------------------------------
 
-    def rollout_started(self, now: float) -> None:
-        """A rollout started at `now` on the loop's clock."""
-        if self._rollouts is None:
-            self._rollouts = _BusyMeter(now)
-        self._rollouts.change(now, +1)
-
-    def rollout_finished(self, now: float) -> None:
-        """A rollout ended at `now` on the loop's clock."""
-        assert self._rollouts is not None
-        self._rollouts.change(now, -1)
+    def set_rollouts_running(self, running: bool) -> None:
+        """Whether any rollout runs changed: the first started, or the last ended
+        (`RolloutSlots`, which counts them, says)."""
+        now = asyncio.get_running_loop().time()
+        if self._idle is None:
+            self._idle = _IdleMeter(now)
+        self._idle.change(now, running=running)
 
     @property
-    def rollouts_running(self) -> int:
-        """Rollouts started and not finished."""
-        return 0 if self._rollouts is None else self._rollouts.active
+    def rollouts_running(self) -> bool:
+        """Whether any rollout runs now."""
+        return self._idle is not None and self._idle.running
 
     def take_generation_idle(self) -> float:
         """Seconds with no rollout running (or generation paused) since the last call."""
-        if self._rollouts is None:
+        if self._idle is None:
             return 0.0
-        return self._rollouts.take_idle(asyncio.get_running_loop().time())
+        return self._idle.take_idle(asyncio.get_running_loop().time())
 
     # -- waiting ----------------------------------------------------------------------------
 

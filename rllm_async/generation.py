@@ -51,7 +51,6 @@ class Generation:
         self.dispatch_ids = itertools.count()
         self.breaker = FailureRateBreaker(config)
         self.no_signal = NoSignalGuard(config)
-        self._clock = asyncio.get_running_loop().time
 
     async def run(self) -> None:
         """Dispatch tasks as admission allows, fire and forget; close the buffer at the data's end."""
@@ -84,9 +83,7 @@ class Generation:
         ro, record = self.config.rollout, self.record
         start = await self.slots.acquire()
         try:
-            now = self._clock()
-            self.coordinator.rollout_started(now)
-            meter = self.workload.started(now, kept)
+            meter = self.workload.started(kept)
             episode = None
             try:
                 rollout = await run_rollout(
@@ -105,9 +102,7 @@ class Generation:
                 )
                 episode = rollout.episode
             finally:
-                now = self._clock()
-                self.coordinator.rollout_finished(now)
-                self.workload.finished(now, meter, episode)
+                self.workload.finished(meter, episode)
         finally:
             self.slots.release(start)
         if episode is None:

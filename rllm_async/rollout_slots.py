@@ -25,7 +25,7 @@ class RolloutSlots:
         self.max_concurrency = max_concurrency
         self.late_limit = max(1, int(max_concurrency * late_share)) if late_share else None
         self.coordinator = coordinator
-        self.running = 0
+        self.running = 0  # the coordinator is told when this leaves or reaches 0
         self._starts: dict[int, int] = {}  # running rollouts by the policy version they began at
         self._waiters: deque[asyncio.Future[int]] = deque()
 
@@ -53,6 +53,8 @@ class RolloutSlots:
     def release(self, start: int) -> None:
         """Free the slot of a rollout that began at version `start`; start the next ones."""
         self.running -= 1
+        if not self.running:
+            self.coordinator.set_rollouts_running(False)
         left = self._starts[start] - 1
         if left:
             self._starts[start] = left
@@ -66,5 +68,7 @@ class RolloutSlots:
     def _grant(self) -> int:
         start = self.coordinator.synced_version
         self.running += 1
+        if self.running == 1:
+            self.coordinator.set_rollouts_running(True)
         self._starts[start] = self._starts.get(start, 0) + 1
         return start

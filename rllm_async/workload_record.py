@@ -252,19 +252,19 @@ class WorkloadRecorder:
         if group is not None:
             group.filtered = filtered
 
-    def started(self, now: float, group: KeptGroup | None) -> RolloutMeter:
-        """A rollout of `group` started; the meter its model calls report to, to hand to
+    def started(self, group: KeptGroup | None) -> RolloutMeter:
+        """A rollout of `group` starts now; the meter its model calls report to, to hand to
         `finished` (with a slot of its own when its group is kept)."""
         if group is None:
             return self._unkept
         slot = len(self._starts)
-        self._starts.append(now)
+        self._starts.append(self.clock())
         if slot == len(self._acc):
             self._acc = np.concatenate([self._acc, np.zeros_like(self._acc)])
         return RolloutMeter(self, group, slot)
 
-    def finished(self, now: float, meter: RolloutMeter, episode: Episode | None) -> None:
-        """A rollout ended, its calls too; recorded when it was kept and produced an episode."""
+    def finished(self, meter: RolloutMeter, episode: Episode | None) -> None:
+        """A rollout ended now, its calls too; recorded when it was kept and produced an episode."""
         if episode is None:
             return
         self._finished += 1
@@ -273,7 +273,7 @@ class WorkloadRecorder:
             steps = [s for t in episode.trajectories for s in t.steps]
             prompt = len(steps[0].prompt_ids) if steps else 0
             completion = episode.num_completion_tokens
-            group.done.append((meter.slot, now, prompt, completion, len(steps)))
+            group.done.append((meter.slot, self.clock(), prompt, completion, len(steps)))
 
     def _row(
         self, group: KeptGroup, slot: int, end: float, prompt: int, completion: int, turns: int

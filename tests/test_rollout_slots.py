@@ -25,6 +25,29 @@ def _coordinator(max_staleness: int | None) -> SyncCoordinator:
     return SyncCoordinator(config, groups_per_step=1, on_policy_updated=_no_hook)
 
 
+def test_generation_is_idle_while_no_slot_is_held_or_model_calls_are_paused() -> None:
+    async def scenario() -> None:
+        coord = SyncCoordinator(CoordinatorConfig(), 1, lambda version: asyncio.sleep(2.0))
+        slots = RolloutSlots(4, None, coord)
+        sleep = asyncio.sleep
+        await sleep(1.0)  # before the first rollout: not counted
+        first = await slots.acquire()
+        second = await slots.acquire()
+        await sleep(1.0)
+        slots.release(first)
+        await sleep(1.0)  # one still runs
+        await coord.update_policy(1)  # 2 s paused
+        assert coord.rollouts_running and coord.take_generation_idle() == 2.0
+        slots.release(second)
+        await sleep(3.0)
+        assert not coord.rollouts_running
+        await slots.acquire()
+        await sleep(1.0)
+        assert coord.take_generation_idle() == 3.0
+
+    run(scenario(), virtual=True)
+
+
 def test_the_limit_shrinks_while_a_rollout_is_staler_than_half_the_bound() -> None:
     async def scenario() -> None:
         coord = _coordinator(max_staleness=8)

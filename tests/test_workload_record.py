@@ -43,8 +43,8 @@ CLOCK = _Clock()
 
 def _begin(rec: WorkloadRecorder, now: float, group: KeptGroup | None) -> RolloutMeter:
     """A rollout of `group` that starts, and begins a model call, at `now`."""
-    meter = rec.started(now, group)
     CLOCK.now = now
+    meter = rec.started(group)
     meter.call_began()
     return meter
 
@@ -53,7 +53,7 @@ def _end(rec: WorkloadRecorder, now: float, meter: RolloutMeter, episode: Episod
     """Its call ends at `now`, and the rollout with it."""
     CLOCK.now = now
     meter.call_ended()
-    rec.finished(now, meter, episode)
+    rec.finished(meter, episode)
 
 
 def _sim_run(tmp_path: Path, *overrides: str) -> Config:
@@ -222,7 +222,8 @@ def test_the_engines_load_counts_rollouts_in_a_model_call_only() -> None:
         CLOCK.now = now
         call()
     _end(rec, 8.0, other, _episode(3))
-    rec.finished(10.0, agent, _episode(5, turns=2))
+    CLOCK.now = 10.0
+    rec.finished(agent, _episode(5, turns=2))
     row = next(r for r in rec.workload.rollouts if r.start == 0.0)
     assert row.turns == 2 and row.tool_s == pytest.approx(7.0)  # 10 s, 3 of them in calls
     assert row.active == pytest.approx((1 * 1 + 1 * 2 + 1 * 2) / 3)  # alone 1 s, then with other
