@@ -341,9 +341,9 @@ class _Fit:
         version = coord.version + 1
         hook_s = sync_s = 0.0
         if coord.sync_due(version) or version >= self.config.train.total_steps:
-            self.workload.phase(loop.time(), "sync")
+            self.workload.phase("sync")
             hook_s, sync_s = await coord.update_policy(version)
-            self.workload.phase(loop.time(), None)
+            self.workload.phase(None)
         else:
             coord.advance(version)
         self.workload.step(version, loop.time(), optim_s, sync_s)
@@ -355,10 +355,10 @@ class _Fit:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         groups = [g for ready in micro for g in ready.groups]
-        self.workload.phase(t0, "train")
+        self.workload.phase("train")
         metrics = await self.backend.forward_backward(groups, self.config.algorithm.loss)
         seconds = loop.time() - t0
-        self.workload.phase(t0 + seconds, None)
+        self.workload.phase(None)
         self.workload.trained(sum(g.num_completion_tokens for g in groups), seconds)
         return {**metrics, "time/forward_backward_s": seconds}
 

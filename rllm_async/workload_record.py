@@ -104,12 +104,10 @@ class RolloutMeter:
         self._recorder, self.group, self.slot = recorder, group, slot
 
     def call_began(self) -> None:
-        recorder = self._recorder
-        recorder._load(recorder.clock(), 1, self.slot, -1.0)
+        self._recorder._load(1, self.slot, -1.0)
 
     def call_ended(self) -> None:
-        recorder = self._recorder
-        recorder._load(recorder.clock(), -1, self.slot, 1.0)
+        self._recorder._load(-1, self.slot, 1.0)
 
 
 @dataclass(slots=True)
@@ -177,13 +175,13 @@ class WorkloadRecorder:
         self._train_s = 0.0
         self._calls: list[list[float]] = []
 
-    def _load(self, now: float, change: int, slot: int | None = None, sign: float = 0.0) -> None:
-        """`change` rollouts entered (or left) a model call at `now`; a kept rollout's `slot`
-        gets `sign` times the integrals there once they are known."""
+    def _load(self, change: int, slot: int | None = None, sign: float = 0.0) -> None:
+        """`change` rollouts entered (or left) a model call now; a kept rollout's `slot` gets
+        `sign` times the integrals there once they are known."""
         times = self._times
         if slot is not None:
             self._marks.append((len(times), slot, sign))
-        times.append(now)
+        times.append(self.clock())
         self._counts.append(self._active)
         self._active += change
         if len(times) >= _BATCH:
@@ -225,9 +223,9 @@ class WorkloadRecorder:
             out[..., self._phase, :] += step
         return out
 
-    def phase(self, now: float, name: str | None) -> None:
-        """From `now` the learner is doing `name` (one of `PHASES`), or nothing (None)."""
-        self._load(now, 0)
+    def phase(self, name: str | None) -> None:
+        """From now on the learner is doing `name` (one of `PHASES`), or nothing (None)."""
+        self._load(0)
         self._integrate()
         self._phase = 0 if name is None else 1 + PHASES.index(name)
 

@@ -56,6 +56,12 @@ def _end(rec: WorkloadRecorder, now: float, meter: RolloutMeter, episode: Episod
     rec.finished(meter, episode)
 
 
+def _phase(rec: WorkloadRecorder, now: float, name: str | None) -> None:
+    """The learner starts doing `name` at `now`."""
+    CLOCK.now = now
+    rec.phase(name)
+
+
 def _sim_run(tmp_path: Path, *overrides: str) -> Config:
     """A short W1 run of 4 groups per step into `tmp_path`; its config."""
     config = workload_config(
@@ -156,10 +162,10 @@ def test_the_integrals_are_split_by_what_the_learner_was_doing() -> None:
     # One rollout alone from 0 to 4 s: training 1-2 s, a weight sync 3-3.5 s, nothing otherwise.
     rec = WorkloadRecorder({"mode": "async"}, clock=CLOCK)
     meter = _begin(rec, 0.0, rec.group_started())
-    rec.phase(1.0, "train")
-    rec.phase(2.0, None)
-    rec.phase(3.0, "sync")
-    rec.phase(3.5, None)
+    _phase(rec, 1.0, "train")
+    _phase(rec, 2.0, None)
+    _phase(rec, 3.0, "sync")
+    _phase(rec, 3.5, None)
     _end(rec, 4.0, meter, _episode(8))
     row = rec.workload.rollouts[0]
     assert row.inv == [pytest.approx(4.0 / (1 + c)) for c in OFFSETS]
@@ -185,16 +191,16 @@ def test_each_forward_backward_call_records_its_time_beside_rollouts() -> None:
     # one 6-7 s alone.
     rec = WorkloadRecorder({"mode": "sync"}, clock=CLOCK)
     meter = _begin(rec, 0.0, rec.group_started())
-    rec.phase(1.0, "train")
-    rec.phase(2.0, None)
+    _phase(rec, 1.0, "train")
+    _phase(rec, 2.0, None)
     rec.trained(10, 1.0)
-    rec.phase(3.5, "train")
+    _phase(rec, 3.5, "train")
     _end(rec, 4.0, meter, _episode(8))
-    rec.phase(5.0, None)
+    _phase(rec, 5.0, None)
     rec.trained(20, 1.5)
     rec.step(1, 5.0, 0.0, 0.0)
-    rec.phase(6.0, "train")
-    rec.phase(7.0, None)
+    _phase(rec, 6.0, "train")
+    _phase(rec, 7.0, None)
     rec.trained(30, 1.0)
     rec.step(2, 7.0, 0.0, 0.0)
     first, second = rec.workload.steps
