@@ -14,5 +14,6 @@ def test_reward_rises_when_only_adapters_train(tmp_path: Path) -> None:
     embeddings are too small for adapters alone to move its output much.)"""
     records = adapters_only_run(tmp_path)
     start, end = mean_reward(records[:1]), mean_reward(records[-5:])  # step 1 samples the base
-    assert 0.3 < start < 0.7
+    # A mixed start: its share of digits moves with the CPU's float kernels (0.295 on an AMD EPYC).
+    assert 0.2 < start < 0.8
     assert end > 0.9, (start, end)
