@@ -69,17 +69,17 @@ class Counts:
 
 class _IdleMeter:
     """Integrates how long generation was idle (no rollout running, or model calls paused), on
-    the event loop's clock; told only when either changes."""
+    `clock` (the event loop's); told only when either changes."""
 
-    def __init__(self, now: float) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.running = False
         self.paused = False
-        self._since = now
+        self._since = clock()
         self._idle = 0.0
 
-    def change(
-        self, now: float, *, running: bool | None = None, paused: bool | None = None
-    ) -> None:
+    def change(self, *, running: bool | None = None, paused: bool | None = None) -> None:
+        now = self.clock()
         if not self.running or self.paused:
             self._idle += now - self._since
         self._since = now
@@ -88,8 +88,8 @@ class _IdleMeter:
         if paused is not None:
             self.paused = paused
 
-    def take_idle(self, now: float) -> float:
-        self.change(now)
+    def take_idle(self) -> float:
+        self.change()
         idle, self._idle = self._idle, 0.0
         return idle
 
@@ -225,7 +225,7 @@ class SyncCoordinator:
         start = loop.time()
         self._unpaused.clear()
         if self._idle is not None:
-            self._idle.change(start, paused=True)
+            self._idle.change(paused=True)
         self.notify()  # waiters stop their stall clocks (see `wait_for`)
         hook_s = 0.0
         try:
@@ -249,7 +249,7 @@ class SyncCoordinator:
         finally:
             end = loop.time()
             if self._idle is not None:
-                self._idle.change(end, paused=False)
+                self._idle.change(paused=False)
             self._unpaused.set()
             self._event("policy_updated")
         return hook_s, end - start
@@ -259,10 +259,9 @@ class SyncCoordinator:
     def set_rollouts_running(self, running: bool) -> None:
         """Whether any rollout runs changed: the first started, or the last ended
         (`RolloutSlots`, which counts them, says)."""
-        now = asyncio.get_running_loop().time()
         if self._idle is None:
-            self._idle = _IdleMeter(now)
-        self._idle.change(now, running=running)
+            self._idle = _IdleMeter(asyncio.get_running_loop().time)
+        self._idle.change(running=running)
 
     @property
     def rollouts_running(self) -> bool:
@@ -273,7 +272,7 @@ class SyncCoordinator:
         """Seconds with no rollout running (or generation paused) since the last call."""
         if self._idle is None:
             return 0.0
-        return self._idle.take_idle(asyncio.get_running_loop().time())
+        return self._idle.take_idle()
 
     # -- waiting ----------------------------------------------------------------------------
 
