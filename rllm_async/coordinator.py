@@ -196,9 +196,8 @@ class SyncCoordinator:
         """What a new model call awaits while a weight sync is in progress; a future already done
         when none is, which callers may skip without suspending (`RolloutContext`)."""
         if self._unpaused.is_set():
-            loop = asyncio.get_running_loop()
-            if self._no_sync is None or self._no_sync.get_loop() is not loop:
-                self._no_sync = loop.create_future()
+            if self._no_sync is None:  # done, so awaiting it touches no loop: any loop may share it
+                self._no_sync = asyncio.get_running_loop().create_future()
                 self._no_sync.set_result(None)
             return self._no_sync
         return self._sync_end()

@@ -129,6 +129,18 @@ def test_a_weight_sync_pauses_new_model_calls_until_it_ends() -> None:
     run(main(), virtual=True)
 
 
+def test_with_no_sync_a_model_call_never_suspends_on_any_loop() -> None:
+    coord = coordinator()
+
+    async def waiting() -> bool:
+        pending = coord.wait_unpaused()
+        await pending
+        return isinstance(pending, asyncio.Future) and pending.done()
+
+    # The done future the first loop made serves the next one (a trainer fitted twice).
+    assert asyncio.run(waiting()) and asyncio.run(waiting())
+
+
 def test_a_sync_past_its_timeout_fails_and_generation_resumes() -> None:
     async def main() -> None:
         async def hang(version: int) -> None:
