@@ -47,6 +47,16 @@ class VerlBackend:
     options: ClassVar[type[VerlOptions]] = VerlOptions
     virtual_clock: ClassVar[bool] = False
 
+    @classmethod
+    def shares_device(cls, options: dict[str, Any]) -> bool | None:
+        """Whether generation and training share devices under these `backend:` options."""
+        return VerlOptions.model_validate(options).shares_device
+
+    @classmethod
+    def decode_slots(cls, options: dict[str, Any]) -> int | None:
+        """The most sequences decoded together under these `backend:` options."""
+        return VerlOptions.model_validate(options).decode_slots
+
     def __init__(self, config: Config, opts: VerlOptions) -> None:
         self.config = config
         self.opts = opts

@@ -106,6 +106,30 @@ class VerlOptions(BaseModel):
         return self.rollout_gpus_per_node or self.gpus_per_node
 
     @property
+    def shares_device(self) -> bool | None:
+        """Whether generation and training share devices (`rllm-async plan`): colocated verl
+        servers do, servers on nodes of their own do not, and the local sampler does where it runs
+        on the workers' kind of device; the project's vLLM servers' devices, and the device that
+        `auto` picks, are not in these options (None: unknown)."""
+        if self.verl_server is not None:
+            return self.colocated
+        sampler = self.sampler_device.split(":")[0]
+        if self.rollout == "local" and sampler != "auto":
+            return sampler == self.device
+        return None
+
+    @property
+    def decode_slots(self) -> int | None:
+        """The most sequences decoded together (`rllm-async plan`): the local sampler's
+        `max_batch`, what the vLLM engine's options say, or None for verl's servers, whose
+        batch is verl's own setting."""
+        if self.rollout == "local":
+            return self.max_batch
+        if self.rollout == "vllm":
+            return self.vllm.decode_slots
+        return None
+
+    @property
     def attention(self) -> str:
         """The Hugging Face attention implementation the workers use."""
         default = "sdpa" if self.device == "cpu" else "flash_attention_2"

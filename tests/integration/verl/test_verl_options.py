@@ -11,6 +11,8 @@ import pytest
 
 from rllm_async.backends.verl.options import check_config
 from rllm_async.config import Config, ConfigError, config_from_dict
+from rllm_async.workload_fit import engine_slots, shared_device
+from rllm_async.workload_record import Workload
 
 
 def make_config(coordinator: dict[str, Any] | None = None, **backend: Any) -> Config:
@@ -212,3 +214,22 @@ def test_evaluations_during_training_are_refused_on_vllm_servers() -> None:
     )
     with pytest.raises(ConfigError, match=r"eval.every_steps 5.*eval.at_end"):
         check_config(cfg)
+
+
+def test_a_verl_runs_config_tells_the_plan_its_devices_and_decode_slots() -> None:
+    """`rllm-async plan` asks the recorded run's backend, through its entry point."""
+
+    def ask(**backend: Any) -> tuple[bool | None, int | None]:
+        config = {"backend": {"name": "verl", "model_path": "/nonexistent", **backend}}
+        workload = Workload({"mode": "async"}, config=config)
+        return shared_device(workload), engine_slots(workload)
+
+    assert ask() == (False, 32)  # the local sampler on the CPU, the workers on GPUs
+    assert ask(device="cpu", max_batch=8) == (True, 8)
+    assert ask(sampler_device="cuda:0") == (True, 32)
+    assert ask(sampler_device="auto") == (None, 32)
+    assert ask(rollout="verl-vllm") == (True, None)  # colocated: asleep while the workers train
+    assert ask(rollout="verl-sglang", rollout_nodes=1) == (False, None)
+    flag = ["--max-num-seqs", "48"]
+    assert ask(rollout="vllm", vllm={"servers": 2, "extra_args": flag}) == (None, 96)
+    assert ask(no_such_option=1) == (None, None)
