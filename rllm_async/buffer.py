@@ -108,16 +108,20 @@ class TrajectoryGroupBuffer:
         self._pending[dispatch.id] = _Pending(dispatch, self.group_size)
         self._outstanding[dispatch.id] = dispatch
 
-    async def add(self, dispatch_id: int, index: int, episode: Episode | None) -> GroupState | None:
-        """Add rollout `index` of a group (None: it failed); the group's new state if it completed."""
+    def add(self, dispatch_id: int, index: int, episode: Episode | None) -> bool:
+        """Add rollout `index` of a group (None: it failed); True once every rollout of the group
+        is in, when it is the caller's to `complete`."""
         pending = self._pending[dispatch_id]
         if episode is None:
             pending.failures += 1
         else:
             pending.episodes[index] = episode
-        if len(pending.episodes) + pending.failures < pending.expected:
-            return None
-        del self._pending[dispatch_id]
+        return len(pending.episodes) + pending.failures >= pending.expected
+
+    async def complete(self, dispatch_id: int) -> GroupState:
+        """End a group whose rollouts are all in: failed, filtered, or queued once there is room;
+        its new state."""
+        pending = self._pending.pop(dispatch_id)
         if len(pending.episodes) < self.min_group_size:
             return self._end(dispatch_id, GroupState.FAILED)
         ready = self._complete(pending)

@@ -81,7 +81,9 @@ class Generation:
         """One rollout of a dispatched group, into the buffer; the group's end when it completes
         (`kept`: the group as the workload record keeps it, if it does)."""
         ro, record = self.config.rollout, self.record
-        start = await self.slots.acquire()
+        start = self.slots.acquire_nowait()
+        if start is None:
+            start = await self.slots.acquire()
         try:
             meter = self.workload.started(kept)
             episode = None
@@ -113,9 +115,9 @@ class Generation:
                 dispatch.judged += 1
                 dispatch.correct += episode.is_correct
         self.breaker.observe(episode is None, rollout.last_error)
-        state = await self.buffer.add(dispatch.id, index, episode)
-        if state is None:
+        if not self.buffer.add(dispatch.id, index, episode):
             return
+        state = await self.buffer.complete(dispatch.id)
         record.add(solved_metrics(dispatch, ro.group_size))
         failed = state is GroupState.FAILED
         self.workload.group_ended(kept, None if failed else state is GroupState.FILTERED)

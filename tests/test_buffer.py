@@ -55,14 +55,24 @@ def dispatch(coord: SyncCoordinator, buffer: TrajectoryGroupBuffer, id: int) -> 
     return d
 
 
+async def fill(
+    buffer: TrajectoryGroupBuffer, dispatch_id: int, *episodes: Episode | None
+) -> GroupState:
+    """Add a whole group's rollouts (None: a failed one) and complete it; its new state."""
+    for index, ep in enumerate(episodes):
+        assert buffer.add(dispatch_id, index, ep) == (index == len(episodes) - 1)
+    return await buffer.complete(dispatch_id)
+
+
 def test_a_group_is_queued_once_every_rollout_ended_with_advantages_in_rollout_order() -> None:
     async def main() -> None:
         coord, buffer = setup(group_size=3, min_group_size=3)
         dispatch(coord, buffer, 0)
-        assert await buffer.add(0, 2, episode(1.0)) is None
-        assert await buffer.add(0, 0, episode(0.0)) is None
+        assert not buffer.add(0, 2, episode(1.0))
+        assert not buffer.add(0, 0, episode(0.0))
         assert coord.counts.in_flight == 1 and len(buffer) == 0
-        assert await buffer.add(0, 1, episode(0.5)) is GroupState.BUFFERED
+        assert buffer.add(0, 1, episode(0.5)), "the group's last rollout is in"
+        assert await buffer.complete(0) is GroupState.BUFFERED
         assert coord.counts.buffered == 1 and len(buffer) == 1
         ready = await buffer.get()
         assert ready is not None and ready.dispatch.id == 0
@@ -79,12 +89,8 @@ def test_survivors_train_if_enough_else_the_group_fails() -> None:
         coord, buffer = setup(group_size=3, min_group_size=2)
         dispatch(coord, buffer, 0)
         dispatch(coord, buffer, 1)
-        await buffer.add(0, 0, episode(0.0))
-        await buffer.add(0, 1, None)
-        assert await buffer.add(0, 2, episode(1.0)) is GroupState.BUFFERED
-        await buffer.add(1, 0, None)
-        await buffer.add(1, 1, None)
-        assert await buffer.add(1, 2, episode(1.0)) is GroupState.FAILED
+        assert await fill(buffer, 0, episode(0.0), None, episode(1.0)) is GroupState.BUFFERED
+        assert await fill(buffer, 1, None, None, episode(1.0)) is GroupState.FAILED
         assert coord.counts.failed == 1 and coord.counts.buffered == 1
         ready = await buffer.get()
         assert ready is not None and len(ready.groups[0].trajectories) == 2
@@ -96,17 +102,15 @@ def test_zero_variance_and_unsolved_groups_are_filtered_when_asked() -> None:
     async def main() -> None:
         coord, buffer = setup()
         dispatch(coord, buffer, 0)
-        await buffer.add(0, 0, episode(1.0))
-        assert await buffer.add(0, 1, episode(1.0)) is GroupState.FILTERED
+        assert await fill(buffer, 0, episode(1.0), episode(1.0)) is GroupState.FILTERED
         assert coord.counts.filtered == 1 and coord.outstanding == 0
 
         coord, buffer = setup(filter_zero_variance=False, filter_unsolved=True)
         dispatch(coord, buffer, 0)
-        await buffer.add(0, 0, episode(0.0, correct=False))
-        assert await buffer.add(0, 1, episode(0.5, correct=False)) is GroupState.FILTERED
+        unsolved = episode(0.0, correct=False), episode(0.5, correct=False)
+        assert await fill(buffer, 0, *unsolved) is GroupState.FILTERED
         dispatch(coord, buffer, 1)  # not judged: never counts as unsolved
-        await buffer.add(1, 0, episode(0.0))
-        assert await buffer.add(1, 1, episode(0.0)) is GroupState.BUFFERED
+        assert await fill(buffer, 1, episode(0.0), episode(0.0)) is GroupState.BUFFERED
 
     run(main(), virtual=True)
 
@@ -116,8 +120,7 @@ def test_groups_leave_oldest_policy_version_first() -> None:
         coord, buffer = setup()
         for i, version in enumerate([2, 0, 1]):
             dispatch(coord, buffer, i)
-            await buffer.add(i, 0, episode(0.0, version))
-            await buffer.add(i, 1, episode(1.0, version))
+            await fill(buffer, i, episode(0.0, version), episode(1.0, version))
         out = [await buffer.get() for _ in range(3)]
         assert [r.min_version for r in out if r is not None] == [0, 1, 2]
 
@@ -129,9 +132,10 @@ def test_a_full_queue_makes_producers_wait_and_never_evicts() -> None:
         coord, buffer = setup(capacity=1)
         for i in range(2):
             dispatch(coord, buffer, i)
-            await buffer.add(i, 0, episode(0.0))
-        assert await buffer.add(0, 1, episode(1.0)) is GroupState.BUFFERED
-        blocked = asyncio.create_task(buffer.add(1, 1, episode(1.0)))
+            buffer.add(i, 0, episode(0.0))
+            assert buffer.add(i, 1, episode(1.0))
+        assert await buffer.complete(0) is GroupState.BUFFERED
+        blocked = asyncio.create_task(buffer.complete(1))
         await asyncio.sleep(5.0)
         assert not blocked.done() and len(buffer) == 1 and coord.counts.in_flight == 1
         first = await buffer.get()
@@ -147,8 +151,7 @@ def test_close_ends_the_queue_once_drained() -> None:
     async def main() -> None:
         coord, buffer = setup()
         dispatch(coord, buffer, 0)
-        await buffer.add(0, 0, episode(0.0))
-        await buffer.add(0, 1, episode(1.0))
+        await fill(buffer, 0, episode(0.0), episode(1.0))
         buffer.close()
         assert not buffer.finished
         assert await buffer.get() is not None
@@ -162,11 +165,9 @@ def test_outstanding_dispatches_and_cancellation() -> None:
         coord, buffer = setup()
         for i in range(4):
             dispatch(coord, buffer, i)
-        for i in (0, 1, 2):
-            await buffer.add(i, 0, episode(0.0, tokens=3))
-        await buffer.add(0, 1, episode(1.0, tokens=3))  # queued, then handed out
-        await buffer.add(1, 1, episode(1.0, tokens=3))  # queued
-        await buffer.add(2, 1, episode(0.0, tokens=3))  # filtered
+        await fill(buffer, 0, episode(0.0, tokens=3), episode(1.0, tokens=3))  # handed out below
+        await fill(buffer, 1, episode(0.0, tokens=3), episode(1.0, tokens=3))  # queued
+        await fill(buffer, 2, episode(0.0, tokens=3), episode(0.0, tokens=3))  # filtered
         assert [d.id for d in buffer.outstanding()] == [0, 1, 3]
         handed = await buffer.get()
         assert handed is not None and handed.dispatch.id == 0

@@ -100,6 +100,24 @@ def test_a_cancelled_waiter_gives_its_slot_back() -> None:
     run(scenario(), virtual=True)
 
 
+def test_a_slot_is_taken_without_waiting_only_while_one_is_free() -> None:
+    async def scenario() -> None:
+        slots = RolloutSlots(2, None, _coordinator(max_staleness=None))
+        first = slots.acquire_nowait()
+        assert first == 0 and slots.acquire_nowait() == 0 and slots.running == 2
+        assert slots.acquire_nowait() is None, "the limit is reached"
+        waiter = asyncio.create_task(slots.acquire())
+        await asyncio.sleep(0)
+        slots.release(first)  # the freed slot goes to the waiter, before it resumes
+        assert slots.acquire_nowait() is None and slots.running == 2
+        granted = await waiter
+        assert granted == 0
+        slots.release(granted)
+        assert slots.acquire_nowait() == 0, "free again"
+
+    run(scenario(), virtual=True)
+
+
 @st.composite
 def workloads(draw: st.DrawFn) -> dict:
     n = draw(st.integers(1, 60))
