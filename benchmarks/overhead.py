@@ -26,11 +26,12 @@ import tempfile
 import time
 
 from rllm_async.backends.sim import workload_config
+from rllm_async.config import Config
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.vclock import run
 
 
-def _config(tmp: str, overrides: list[str]):
+def _config(tmp: str, overrides: list[str]) -> Config:
     return workload_config(
         "W1",
         [
@@ -48,33 +49,37 @@ def _config(tmp: str, overrides: list[str]):
 GROUP_SIZE = 8
 
 
-def throughput(steps: int, in_flight: int) -> tuple[float, float, list[float]]:
-    """Episodes per wall second and per CPU second of this process with zero-latency generation,
-    training and sync, with admission allowing `in_flight` rollouts (two steps' worth of groups)."""
+def throughput_config(tmp: str, steps: int, in_flight: int) -> Config:
+    """Zero-latency generation, training and sync, with admission allowing `in_flight` rollouts
+    (two steps' worth of groups)."""
     groups = in_flight // (2 * GROUP_SIZE)
+    return _config(
+        tmp,
+        [
+            "backend.latency=zero",
+            f"backend.slots={in_flight}",  # the step profile in closed form: a quick start
+            "workflow.args.len_median=4",
+            "workflow.args.len_sigma=0",
+            f"train.total_steps={steps}",
+            f"train.groups_per_step={groups}",
+            f"train.micro_batch_groups={max(1, groups // 4)}",
+            f"rollout.group_size={GROUP_SIZE}",
+            f"rollout.max_concurrency={in_flight}",
+            "coordinator.pipeline_depth=1",
+            "coordinator.max_staleness=1",
+        ],
+    )
+
+
+def throughput(steps: int, in_flight: int) -> tuple[float, float, list[float]]:
+    """Episodes per wall second and per CPU second of this process through `throughput_config`."""
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _config(
-            tmp,
-            [
-                "backend.latency=zero",
-                f"backend.slots={in_flight}",  # the step profile in closed form: a quick start
-                "workflow.args.len_median=4",
-                "workflow.args.len_sigma=0",
-                f"train.total_steps={steps}",
-                f"train.groups_per_step={groups}",
-                f"train.micro_batch_groups={max(1, groups // 4)}",
-                f"rollout.group_size={GROUP_SIZE}",
-                f"rollout.max_concurrency={in_flight}",
-                "coordinator.pipeline_depth=1",
-                "coordinator.max_staleness=1",
-            ],
-        )
-        trainer = UnifiedTrainer(cfg)
+        trainer = UnifiedTrainer(throughput_config(tmp, steps, in_flight))
         t0, cpu0 = time.perf_counter(), time.process_time()
         # The real clock: every microsecond of control-plane work is counted.
         records = run(trainer.fit(), virtual=False)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    episodes = steps * groups * GROUP_SIZE
+    episodes = steps * (in_flight // 2)
     overheads = [r["time/sync_overhead_s"] * 1e3 for r in records]
     return episodes / elapsed, episodes / cpu, overheads
 
