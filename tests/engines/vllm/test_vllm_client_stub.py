@@ -59,8 +59,12 @@ async def server(
     """An HTTP/1.1 server on 127.0.0.1 answering each POST by `route`; yields its URL and the
     paths (with query strings) it was sent, in order; the JSON bodies go to `bodies`."""
     seen: list[str] = []
+    handlers: set[asyncio.Task[None]] = set()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        this = asyncio.current_task()
+        assert this is not None
+        handlers.add(this)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -94,13 +98,18 @@ async def server(
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass  # the client left, or the server closes
         finally:
+            handlers.discard(this)
             writer.close()
 
     srv = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
     async with srv:
         yield f"http://127.0.0.1:{port}", seen
-        srv.close()  # Python 3.12+ would wait for the hanging handlers otherwise
+        # Closing, the server drops its connections, hanging ones included, as a server that
+        # shuts down does: Python 3.12+ waits for them all to close.
+        srv.close()
+        for handler in handlers:
+            handler.cancel()
 
 
 @pytest.fixture
