@@ -1,18 +1,18 @@
 """Instructions per episode through the whole trainer, counted by valgrind: the throughput part of
 `benchmarks/overhead.py` (zero-latency sim workflows and backend, `--in-flight` rollouts admitted)
 on the virtual clock, where wall times on a shared machine spread by 20% and this count repeats
-within about 0.5%.
+within a few instructions (within about 0.1% across environments, whose sizes move the heap).
 
 Prints one JSON line: `instructions_per_episode`, the count of `--steps` steps less that of one
 step (start-up, the first step and writing the run's files cancel out) over the episodes between;
 `bare_task_instructions`, the same for a task that only awaits five nested coroutines, made eight
 at a time in a task group as a dispatch makes a group's rollouts (what asyncio alone costs a
 rollout); their ratio, `episode_in_bare_tasks`, which depends less on the CPU and the Python than
-either; and the Python that ran them. The count is made repeatable by the virtual clock (the schedule does
-not depend on timing), the garbage collector off (its passes land at allocation thresholds),
-`PYTHONHASHSEED=0`, no address randomization (`setarch -R`) and one BLAS thread. It cannot see
-system calls or cache misses: compare it across changes, and confirm with whole runs of
-`overhead.py`.
+either; and the Python that ran them. The count is made repeatable by the virtual clock (the
+schedule does not depend on timing), the garbage collector off (its passes land at allocation
+thresholds), `PYTHONHASHSEED=0`, no address randomization (`setarch -R`) and one BLAS thread. It
+cannot see system calls or cache misses: compare it across changes, and confirm with whole runs
+of `overhead.py`.
 
 Needs valgrind and setarch (util-linux) on PATH; valgrind slows Python about 50 times, so the
 defaults take a few minutes.
