@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from rllm_async.backends.base import BackendError
 from rllm_async.config import ConfigError, load_config
 from rllm_async.coordinator import StallError, SyncTimeoutError
 from rllm_async.data import DataError
 from rllm_async.health import FailureRateError, NoSignalError
+from rllm_async.metrics import ProgressBarSink
+
+if TYPE_CHECKING:
+    from rllm_async.trainer import UnifiedTrainer
 
 DEFAULT_CONFIG = Path("examples/countdown/local_async.yaml")
+_STDERR = logging.StreamHandler()  # the command line's log handler, added once per process
 
 
 def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -43,10 +55,42 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         path = str(DEFAULT_CONFIG)
     config = load_config(path, overrides)
-    records = UnifiedTrainer(config).run()
+    trainer = UnifiedTrainer(config)
+    with _ctrl_c_stops(trainer):
+        records = trainer.run()
     last = records[-1] if records else {}
     print(json.dumps({"run_dir": str(config.run_path), "steps": len(records), "last": last}))
-    return 0
+    return 130 if trainer.interrupted else 0
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops(trainer: UnifiedTrainer) -> Iterator[None]:
+    """Ctrl-C stops the run after a final checkpoint (`UnifiedTrainer.interrupt`); a second
+    Ctrl-C exits at once, leaving the checkpoints already complete."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals reach the main thread alone
+        return
+    pressed = False
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        nonlocal pressed
+        if pressed:
+            print("rllm-async: interrupted again: exiting now", file=sys.stderr, flush=True)
+            os._exit(130)
+        pressed = True
+        if not trainer.interrupt():
+            raise KeyboardInterrupt
+        print(
+            "rllm-async: interrupted: writing a final checkpoint (Ctrl-C again to exit now)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -304,8 +348,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def log_to_stderr() -> None:
+    """The package's log lines, INFO and above, on stderr (above the progress bar while one
+    shows): which model path runs, that generation goes on while no step is recorded, warnings."""
+    root = logging.getLogger()
+    if _STDERR not in root.handlers:
+        _STDERR.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+        _STDERR.setLevel(logging.INFO)
+        _STDERR.addFilter(lambda record: not ProgressBarSink.showing)  # the bar prints them
+        root.addHandler(_STDERR)
+    logging.getLogger("rllm_async").setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    log_to_stderr()
     try:
         return int(args.func(args))
     except (ConfigError, DataError) as e:

@@ -8,7 +8,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 if TYPE_CHECKING:
     from rllm_async.config import WandbConfig
@@ -141,12 +141,17 @@ class ProgressBarSink:
     correctness; else held-out reward) and staleness in its postfix. While it is open, the
     package's log lines print above it, and a line's `status` shows in the postfix."""
 
+    showing: ClassVar[int] = (
+        0  # bars open in this process: other handlers leave their lines to them
+    )
+
     def __init__(self, total: int, initial: int = 0, desc: str = "train") -> None:
         from tqdm.auto import tqdm
 
         self._bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
         self._log = _BarLogHandler(self._bar)
         logging.getLogger("rllm_async").addHandler(self._log)
+        ProgressBarSink.showing += 1
 
     def write(self, record: dict[str, float]) -> None:
         postfix = {}
@@ -162,7 +167,9 @@ class ProgressBarSink:
         self._bar.update(int(record["step"]) - self._bar.n)  # a step-0 eval record moves nothing
 
     def close(self) -> None:
-        logging.getLogger("rllm_async").removeHandler(self._log)
+        if self._log in logging.getLogger("rllm_async").handlers:
+            logging.getLogger("rllm_async").removeHandler(self._log)
+            ProgressBarSink.showing -= 1
         self._bar.close()
 
 

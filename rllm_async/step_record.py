@@ -3,6 +3,8 @@ per optimizer step from the metrics its steps and helpers return."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping
 
 from rllm_async.buffer import Dispatch, ReadyGroup
@@ -18,6 +20,10 @@ from rllm_async.metrics import (
 )
 from rllm_async.types import Episode
 
+log = logging.getLogger(__name__)
+# Seconds without a record after which a finished rollout logs that generation goes on.
+HEARTBEAT_S = 30.0
+
 # How each metric the trainer records is reduced over a step.
 REDUCTIONS: dict[str, Reduce] = {
     # each rollout
@@ -27,6 +33,7 @@ REDUCTIONS: dict[str, Reduce] = {
     "rollout/failures": "sum",
     "rollout/reward/mean": "mean",
     "episode/completion_tokens": "mean",
+    "episode/correct": "mean",
     "tokens/generated": "sum",
     "tokens/wasted": "sum",
     # each completed or ended group
@@ -42,7 +49,7 @@ REDUCTIONS: dict[str, Reduce] = {
     "data/skipped_solved": "sum",
     # each trained group and each update
     "reward/mean": "mean",
-    "episode/correct": "mean",
+    "train/correct": "mean",
     "staleness/mean": "mean",
     "staleness/max": "max",
     "time/forward_backward_s": "sum",
@@ -106,13 +113,13 @@ class StepMetrics:
             self.values.append((key, value, reduce))
 
     def add_consumed(self, ready: ReadyGroup, staleness: int) -> None:
-        """A group taken for training: each episode's reward and correctness, and the group's
-        staleness."""
+        """A group taken for training: each episode's reward and correctness (`train/correct`:
+        the trained rollouts alone, which filtering biases), and the group's staleness."""
         for episode in ready.episodes:
             self.values.append(("reward/mean", episode.reward, REDUCTIONS["reward/mean"]))
             if episode.is_correct is not None:
                 correct = float(episode.is_correct)
-                self.values.append(("episode/correct", correct, REDUCTIONS["episode/correct"]))
+                self.values.append(("train/correct", correct, REDUCTIONS["train/correct"]))
         self.add({"staleness/mean": staleness, "staleness/max": staleness})
 
     def extend(self, other: StepMetrics) -> None:
@@ -149,10 +156,15 @@ class StepRecord:
         self._counts = counts  # the coordinator's counts at the previous record
         self._episodes = 0
         self._tokens = 0
-        # Finished episodes not yet in `metrics`: how many, their rewards' and tokens' sums.
+        # Finished episodes not yet in `metrics`: how many, their rewards' and tokens' sums, and
+        # how many were judged and judged correct.
         self._pending_episodes = 0
         self._pending_reward = 0.0
         self._pending_tokens = 0
+        self._pending_judged = 0
+        self._pending_correct = 0
+        # When the last record was written and the last heartbeat logged (wall-clock seconds).
+        self._recorded_at = self._heard = time.monotonic()
 
     def add(self, metrics: Mapping[str, float], reduce: Reduce | None = None) -> None:
         """Add metrics to the step's record, each reduced as `REDUCTIONS` declares (or `reduce`)."""
@@ -165,17 +177,39 @@ class StepRecord:
         self._tokens += int(metrics.get("tokens/generated", 0))
 
     def add_episode(self, episode: Episode, reductions: Mapping[str, Reduce]) -> int:
-        """A finished episode's metrics (reward, completion tokens), its own reduced as its
-        workflow's `reductions` declare; returns its completion tokens, counted once here."""
+        """A finished episode's metrics (reward, completion tokens, and correctness where judged:
+        every scored rollout counts, trained or filtered), its own reduced as its workflow's
+        `reductions` declare; returns its completion tokens, counted once here."""
         tokens = episode.num_completion_tokens
         self._pending_episodes += 1
         self._pending_reward += float(episode.reward)
         self._pending_tokens += tokens
+        if episode.is_correct is not None:
+            self._pending_judged += 1
+            self._pending_correct += episode.is_correct
         self._tokens += tokens
         if episode.metrics:
             record_episode(self.metrics, "episode/", episode, reductions)
         self._episodes += 1
+        now = time.monotonic()
+        if now - self._heard >= HEARTBEAT_S:
+            self._heartbeat(now)
         return tokens
+
+    def _heartbeat(self, now: float) -> None:
+        """Say that generation goes on while no step is recorded (a task the policy cannot yet
+        do: every group filtered), with what the rollouts since the last record scored."""
+        n, judged = self._pending_episodes, self._pending_judged
+        correct = f", {self._pending_correct} of {judged} correct" if judged else ""
+        log.info(
+            "generating: %d rollouts finished in the %.0f s since the last record, mean reward "
+            "%.3g%s",
+            n,
+            now - self._recorded_at,
+            self._pending_reward / n,
+            correct,
+        )
+        self._heard = now
 
     def add_step(self, metrics: StepMetrics) -> None:
         """Add what a training step's helpers returned, in the order they returned it."""
@@ -225,7 +259,16 @@ class StepRecord:
             )
             record_total("tokens/generated", tokens, episodes, REDUCTIONS["tokens/generated"])
             self._pending_episodes, self._pending_reward, self._pending_tokens = 0, 0.0, 0
+        if self._pending_judged:
+            self.metrics.record_total(
+                "episode/correct",
+                self._pending_correct,
+                self._pending_judged,
+                REDUCTIONS["episode/correct"],
+            )
+            self._pending_judged = self._pending_correct = 0
         record = self.metrics.flush(step)
+        self._recorded_at = self._heard = time.monotonic()
         self.records.append(record)
         return record
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
@@ -41,6 +42,8 @@ from rllm_async.step_record import (
 )
 from rllm_async.workflows.base import Workflow
 from rllm_async.workload_record import WorkloadRecorder
+
+log = logging.getLogger(__name__)
 
 
 class UnifiedTrainer:
@@ -100,6 +103,8 @@ class UnifiedTrainer:
             updates_per_batch=config.train.updates_per_batch,
         )
         self.records: list[dict[str, float]] = []
+        self.interrupted = False  # the last fit stopped at `interrupt()`
+        self._stop: Callable[[], object] | None = None  # asks the running fit to stop
 
     def _load(self, split: str) -> list[dict[str, Any]]:
         spec = getattr(self.config.data, split)
@@ -119,8 +124,11 @@ class UnifiedTrainer:
         return run(self.fit(), virtual=self.virtual_clock)
 
     async def fit(self) -> list[dict[str, float]]:
-        """Train until `train.total_steps` (or the end of the data); returns the step records."""
+        """Train until `train.total_steps` (or the end of the data, or `interrupt()`); returns the
+        step records."""
         fit = self._set_up()
+        loop = asyncio.get_running_loop()
+        self.interrupted = False
         try:
             await fit.start()
             with _collector_for_rollouts():
@@ -128,12 +136,26 @@ class UnifiedTrainer:
                     generation = scope.create_task(
                         fit.generation.run(), name="rllm-async:generation"
                     )
-                    scope.create_task(fit.train(generation), name="rllm-async:training")
+                    training = scope.create_task(fit.train(generation), name="rllm-async:training")
+                    self._stop = lambda: loop.call_soon_threadsafe(fit.interrupt, training)
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
         finally:
+            self._stop = None
             await fit.close()
+            self.interrupted = fit.interrupted
         return self.records
+
+    def interrupt(self) -> bool:
+        """Stop the running fit as soon as it can: it writes a checkpoint of its last optimizer
+        step (the tasks dispatched but not yet stepped on run first on resume) and returns its
+        records, with `interrupted` set. Safe from a signal handler or another thread; False
+        when no fit is training (not yet started, or done)."""
+        stop = self._stop
+        if stop is None:
+            return False
+        stop()
+        return True
 
     def _set_up(self) -> _Fit:
         """Build every part of one fit, in one place: the run directory and its config.yaml, the
@@ -199,6 +221,10 @@ class _Fit:
     resume_from: Path | None
     recorded: int  # the step of the last record (a batch's last version)
     checkpointed: int = -1
+    interrupted: bool = False
+    # Tasks of the groups taken for training since their last optimizer step, by dispatch id:
+    # an interrupted step's, which its checkpoint serves again.
+    unstepped: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     async def start(self) -> None:
         """Start the workflow, resume from a checkpoint, and score the starting policy if asked
@@ -218,16 +244,28 @@ class _Fit:
             self.record.flush(0)
             self.record.restart_clock(loop.time())
 
+    def interrupt(self, training: asyncio.Task[None]) -> None:
+        """Stop training (and so generation) now; `close` writes the final checkpoint."""
+        self.interrupted = True
+        training.cancel()
+
     async def close(self) -> None:
-        """Cancel what still runs, record what ended since the last record, close the sinks, the
-        workflow and the backend; the callbacks hear of the end."""
-        coord = self.coordinator
+        """Cancel what still runs (after the final checkpoint of an interrupted fit), record what
+        ended since the last record, close the sinks, the workflow and the backend; the
+        callbacks hear of the end."""
+        coord, loop = self.coordinator, asyncio.get_running_loop()
+        if self.interrupted:
+            if coord.version != self.recorded:  # stepped, then interrupted before its record
+                self._count_groups(coord.snapshot())
+                self.record.flush_extra(coord.version, loop.time())
+                self.recorded = coord.version
+            await self._save_interrupted()
         self._cancel_outstanding()
         # A run that ended early (an error, an interrupt): what ended since its last record, as
         # one more record of that step (inside a batch of several versions, not the versions
         # that a resume trains again).
         if self._count_groups(coord.snapshot()):
-            self.record.flush_extra(self.recorded, asyncio.get_running_loop().time())
+            self.record.flush_extra(self.recorded, loop.time())
         self.record.close()
         self.workload.meta["groups"] = coord.snapshot()
         self.workload.write(self.config.run_path)
@@ -278,7 +316,7 @@ class _Fit:
                     break
                 kept.append(mini)
                 if not ahead:
-                    metrics.add(await self._optimizer_step(), OPTIM_STEP)
+                    metrics.add(await self._optimizer_step(mini), OPTIM_STEP)
             for epoch in range(tr.epochs_per_batch):
                 for i, mini in enumerate(kept):
                     if epoch or (ahead and i):
@@ -286,7 +324,7 @@ class _Fit:
                             micro = mini[start : start + tr.micro_batch_groups]
                             metrics.add(await self._forward_backward(micro), FORWARD_BACKWARD)
                     if epoch or ahead:
-                        metrics.add(await self._optimizer_step(), OPTIM_STEP)
+                        metrics.add(await self._optimizer_step(mini), OPTIM_STEP)
         finally:
             self.record.add_step(metrics)
         return sum(len(mini) for mini in kept)
@@ -318,6 +356,7 @@ class _Fit:
                 continue
             coord.move(GroupState.BUFFERED, GroupState.CONSUMED)
             metrics.add_consumed(ready, coord.staleness(ready.min_version))
+            self.unstepped[ready.dispatch.id] = ready.dispatch.task
             taken.append(ready)
             micro.append(ready)
             if len(micro) == cfg.train.micro_batch_groups:
@@ -329,15 +368,18 @@ class _Fit:
             metrics.add({"async/trainer_idle_s": idle})
         return taken, metrics
 
-    async def _optimizer_step(self) -> dict[str, float]:
-        """Step the optimizer and bump the version; the engine gets the new weights when a sync
-        is due (see `SyncCoordinator.sync_due`) and after the last step. Returns the backend's
-        metrics and the step's times."""
+    async def _optimizer_step(self, stepped: list[ReadyGroup]) -> dict[str, float]:
+        """Step the optimizer on the gradients of `stepped` (and earlier passes) and bump the
+        version; the engine gets the new weights when a sync is due (see
+        `SyncCoordinator.sync_due`) and after the last step. Returns the backend's metrics and
+        the step's times."""
         coord = self.coordinator
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         metrics = await self.backend.optim_step()
         optim_s = loop.time() - t0
+        for ready in stepped:
+            self.unstepped.pop(ready.dispatch.id, None)
         version = coord.version + 1
         hook_s = sync_s = 0.0
         if coord.sync_due(version) or version >= self.config.train.total_steps:
@@ -434,12 +476,29 @@ class _Fit:
             self.record.add({"data/skipped_solved": skipped})
         return ended or skipped > 0
 
+    async def _save_interrupted(self) -> None:
+        """The final checkpoint of an interrupted fit, of its last optimizer step; a backend that
+        cannot write one now leaves the newest earlier checkpoint, and the log says why."""
+        version = self.coordinator.version
+        try:
+            await self._save_checkpoint()
+        except (RuntimeError, OSError) as e:
+            log.warning("interrupted at step %d; no checkpoint of it was written: %s", version, e)
+            return
+        path = checkpoint.step_path(self.config.run_path, version)
+        log.warning(
+            "interrupted at step %d; checkpoint written to %s (checkpoint.resume: auto continues "
+            "from it)",
+            version,
+            path,
+        )
+
     async def _save_checkpoint(self) -> None:
         """Checkpoint the current version; the dispatches not yet trained are run again on resume."""
         version = self.coordinator.version
 
         def state() -> CheckpointState:
-            pending = [d.task for d in self.buffer.outstanding()]
+            pending = [*self.unstepped.values(), *(d.task for d in self.buffer.outstanding())]
             return CheckpointState(version, self.source.state(pending))
 
         keep_last = self.config.checkpoint.keep_last

@@ -164,6 +164,31 @@ def test_hugging_face_model_exports_with_its_tokenizer(tmp_path) -> None:
     )
 
 
+def test_export_stops_where_the_sampler_stops_without_a_source_generation_config(
+    tmp_path,
+) -> None:
+    """A checkpoint with no generation_config.json (as a GGUF's is): the export's names the
+    sampler's stop token, so that a default `generate` ends the turn there."""
+    from rllm_async.backends.local.hf import load_checkpoint
+    from rllm_async.models.tiny_qwen import build_tiny_qwen
+
+    source = build_tiny_qwen(tmp_path / "tiny-qwen", hidden=128)
+    (source / "generation_config.json").unlink()
+    run_dir = trained_run(tmp_path, model_path=str(source))
+    out = tmp_path / "export"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    (stop,) = load_checkpoint(source).stop_ids
+    generation = transformers.GenerationConfig.from_pretrained(str(out))
+    assert generation.eos_token_id == stop
+    assert stop == transformers.AutoTokenizer.from_pretrained(str(out)).convert_tokens_to_ids(
+        "<|im_end|>"
+    )
+    assert (
+        generation.pad_token_id == json.loads((source / "config.json").read_text())["pad_token_id"]
+    )
+    assert generation.temperature == 0.7 and generation.do_sample
+
+
 def test_export_refuses_what_it_cannot_write(tmp_path) -> None:
     with pytest.raises(ConfigError, match="has no config"):
         export_run(tmp_path, tmp_path / "out")

@@ -136,3 +136,45 @@ def test_resume_with_several_optimizer_steps_per_batch(tmp_path, mini_batches, e
     lines = (cfg.run_path / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line)["step"] for line in lines]
     assert sorted(set(steps)) == [per * b for b in range(1, 11)], steps
+
+
+def test_an_interrupt_mid_step_checkpoints_its_last_step_and_resume_trains_every_task_once(
+    tmp_path,
+) -> None:
+    """`interrupt()` inside step 8, its first micro-batch trained and not yet stepped on: the
+    fit writes step 7's checkpoint (no `every_steps`, no `at_end`), whose pending tasks hold that
+    micro-batch's; the resumed run starts at step 8 and trains every task exactly once."""
+    cfg = make_config(
+        tmp_path,
+        train={"total_steps": 100, "total_epochs": 1, "groups_per_step": 4},
+        coordinator={"pipeline_depth": 2, "max_staleness": 2},
+        checkpoint={"every_steps": 0, "resume": "auto", "at_end": False},
+        algorithm={"filter_zero_variance": False},
+    )
+    rng = random.Random(0)
+    latency = lambda: rng.expovariate(1.0)  # noqa: E731
+    workflow = ScriptedWorkflow(reward=lambda t, i, a: float(i % 2))
+    first: UnifiedTrainer
+
+    def interrupt_at(n: int) -> bool:
+        # Two micro-batches per step: the 15th forward_backward is step 8's first.
+        if n == 15:
+            assert first.interrupt()
+        return False
+
+    interrupted = FakeBackend(latency=latency, fb_fault=interrupt_at)
+    first = UnifiedTrainer(cfg, backend=interrupted, workflow=workflow, train_tasks=tasks(40))
+    records = run(first.fit(), virtual=True)
+    assert first.interrupted and interrupted.closed
+    assert records[-1]["step"] == 7
+    assert [p.name for p in (cfg.run_path / "checkpoints").iterdir()] == ["step_7"]
+    assert len(interrupted.trained) == 8, "step 8's first micro-batch was trained, not stepped"
+    assert not first.interrupt(), "no fit runs any more"
+
+    resumed_backend = FakeBackend(latency=latency)
+    second = UnifiedTrainer(cfg, backend=resumed_backend, workflow=workflow, train_tasks=tasks(40))
+    resumed = run(second.fit(), virtual=True)
+    assert resumed[0]["step"] == 8 and not second.interrupted
+    lineage = [tid for step in interrupted.trained[:7] for tid, _ in step]
+    lineage += [tid for step in resumed_backend.trained for tid, _ in step]
+    assert sorted(lineage) == sorted(f"t{i}" for i in range(40)), "each task exactly once"

@@ -70,8 +70,27 @@ def test_merged_metrics_reduce_as_if_each_value_were_added_as_it_happened() -> N
     record.add_step(first)
     out = record.flush(1)
     assert out["reward/mean"] == pytest.approx(1.5 / 4)
-    assert out["episode/correct"] == pytest.approx(1 / 3), "only the judged episodes"
+    assert out["train/correct"] == pytest.approx(1 / 3), "only the judged episodes"
     assert out["staleness/mean"] == 1.5 and out["staleness/max"] == 3
+
+
+def test_the_correct_fraction_counts_every_scored_rollout_and_the_trained_ones_apart() -> None:
+    """Two groups of four finish; the all-correct one is filtered (no reward variance), so only
+    the half-correct one is trained. Hand count: 6 of 8 scored rollouts are correct, and 2 of
+    the 4 trained ones; the unjudged rollout counts in neither."""
+    solved = [_episode(1.0, correct=True) for _ in range(4)]
+    half = [_episode(1.0, correct=True), _episode(1.0, correct=True)]
+    half += [_episode(0.0, correct=False), _episode(0.0, correct=False)]
+    record = _record()
+    for episode in [*solved, *half, _episode(0.5)]:
+        record.add_episode(episode, {})
+    trained = StepMetrics()
+    trained.add_consumed(_ready(*half), staleness=0)
+    record.add_step(trained)
+    out = record.flush(1)
+    assert out["episode/correct"] == pytest.approx(6 / 8)
+    assert out["train/correct"] == pytest.approx(2 / 4)
+    assert out["rollout/reward/mean"] == pytest.approx(6.5 / 9)
 
 
 def test_group_counts_are_the_changes_since_the_last_record() -> None:

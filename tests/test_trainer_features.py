@@ -190,6 +190,7 @@ def test_single_turn_workflow_scores_the_reply(tmp_path) -> None:
     )
     records = run(trainer.fit(), virtual=True)
     assert records[-1]["reward/mean"] == 1.0 and records[-1]["episode/correct"] == 1.0
+    assert records[-1]["train/correct"] == 1.0
     with pytest.raises(KeyError, match="prompt_key"):
         run(
             UnifiedTrainer(

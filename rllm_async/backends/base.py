@@ -144,6 +144,8 @@ class Backend(Protocol):
 
     Gradients from successive `forward_backward` calls accumulate until `optim_step`; the loss is
     normalized by the whole optimizer step's totals, so the split into micro-batches is invisible.
+    `save` writes the state as of the last `optim_step` (a run interrupted mid-step saves then);
+    a backend that cannot, raises RuntimeError.
     """
 
     def policy(self) -> PolicyClient: ...

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rllm_async.backends.local.hf import checkpoint_dir, model_config
+from rllm_async.backends.local.hf import checkpoint_dir, load_chat_tokenizer, model_config
 from rllm_async.backends.local.lora import LoRA, LoRAOptions
 from rllm_async.backends.local.model import (
     ModelConfig,
@@ -70,8 +70,7 @@ def export_model(
         }
     else:
         _copy_tokenizer(source, out)
-        gen_file = source / "generation_config.json"
-        generation = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+        generation = _source_generation(source, raw)
     _write_generation_config(generation, out, rollout)
     if adapters is not None:
         base = None if source is None or base_changed else str(source)
@@ -97,9 +96,20 @@ def export_transformers_model(
     raw[_dtype_key(raw)] = "float32"
     write_weights({name.removeprefix("hf."): w for name, w in state.items()}, out, config=raw)
     _copy_tokenizer(source, out)
+    _write_generation_config(_source_generation(source, raw), out, rollout)
+
+
+def _source_generation(source: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """The source checkpoint's generation config (if any), its `eos_token_id` the tokens our
+    sampler stops at (a GGUF's checkpoint has no generation config, and without one a default
+    `generate` runs past the end of the turn), its `pad_token_id` the model config's if unset."""
     gen_file = source / "generation_config.json"
-    generation = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
-    _write_generation_config(generation, out, rollout)
+    generation: dict[str, Any] = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    _, stop_ids = load_chat_tokenizer(source)
+    generation["eos_token_id"] = list(stop_ids) if len(stop_ids) > 1 else stop_ids[0]
+    if generation.get("pad_token_id") is None and raw.get("pad_token_id") is not None:
+        generation["pad_token_id"] = raw["pad_token_id"]
+    return generation
 
 
 def _write_generation_config(generation: dict[str, Any], out: Path, rollout: RolloutConfig) -> None:
