@@ -278,16 +278,42 @@ class LocalBackend:
 
     def _save(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
-        state = {**self.learner.state_dict(), "version": self.version}
-        torch.save(state, path / CHECKPOINT_FILE)
+        state = compact_optimizer(self.learner.state_dict(), self.opts.checkpoint_optimizer)
+        torch.save({**state, "version": self.version}, path / CHECKPOINT_FILE)
 
     def _load(self, path: Path) -> int:
         file = path / CHECKPOINT_FILE
         if not file.is_file():
             raise FileNotFoundError(f"{file} not found: is {path} a local-backend checkpoint?")
         state = torch.load(file, map_location=self.device, weights_only=True)
+        if "optimizer" not in state:
+            log.warning(
+                "%s holds weights only (backend.checkpoint_optimizer: none): AdamW's moments "
+                "start from zero",
+                path,
+            )
         self.learner.load_state_dict(state)
         return int(state["version"])
+
+
+def compact_optimizer(
+    state: dict[str, Any], kind: Literal["float32", "bfloat16", "none"]
+) -> dict[str, Any]:
+    """A learner's state with its optimizer's moments as `kind` asks: kept, rounded to bfloat16
+    (which `load_state_dict` casts back to the parameters' float32), or left out."""
+    if kind == "float32":
+        return state
+    if kind == "none":
+        return {key: value for key, value in state.items() if key != "optimizer"}
+    optimizer = state["optimizer"]
+    moments = {
+        index: {
+            key: value.to(torch.bfloat16) if key != "step" and value.is_floating_point() else value
+            for key, value in per_param.items()
+        }
+        for index, per_param in optimizer["state"].items()
+    }
+    return {**state, "optimizer": {**optimizer, "state": moments}}
 
 
 def _build(

@@ -40,6 +40,10 @@ class LocalOptions(BaseModel):
     threads: int = Field(default=1, ge=1)  # torch threads of the learner
     sampler_threads: int = Field(default=1, ge=1)  # torch threads of the decode thread
     seed: int | None = None  # model init and unseeded sampling; None: the config's seed
+    # AdamW's moments in a checkpoint: as trained (`float32`), rounded to `bfloat16` (half their
+    # size; a resumed run's first updates differ by that rounding), or `none` (weights only; a
+    # resumed run's moments start from zero).
+    checkpoint_optimizer: Literal["float32", "bfloat16", "none"] = "float32"
     warm_start: WarmStartOptions | None = None  # supervised fine-tuning before RL, cached
     # Train low-rank adapters on the frozen model (after the warm start) instead of the model.
     lora: LoRAOptions | None = None

@@ -131,17 +131,63 @@ def resume_round_trip(
     asyncio.run(main())
 
 
-def test_checkpoint_refuses_unapplied_gradients(tmp_path: Path) -> None:
+def test_a_checkpoint_holds_the_last_optimizer_step_not_gradients_since(tmp_path: Path) -> None:
+    """A run interrupted mid-step saves: the checkpoint is the last step's weights and schedule
+    position, and the accumulated gradients of the interrupted step are not in it."""
     cfg = make_config()
 
     async def main() -> None:
         backend = LocalBackend.from_config(cfg)
-        await backend.forward_backward(await sample_groups(backend, 1), cfg.algorithm.loss)
-        with pytest.raises(RuntimeError, match="optim_step"):
-            await backend.save(tmp_path)
-        await backend.close()
+        groups = await sample_groups(backend, 1)
+        await backend.forward_backward(groups, cfg.algorithm.loss)
+        await backend.optim_step()
+        stepped = params(backend).clone()
+        await backend.forward_backward(groups, cfg.algorithm.loss)  # not applied
+        await backend.save(tmp_path)
+        resumed = LocalBackend.from_config(cfg)
+        await resumed.load(tmp_path)
+        assert torch.equal(params(resumed), stepped)
+        assert all(p.grad is None for p in resumed.learner.model.parameters())
+        assert resumed.learner.step == 1
+        for b in (backend, resumed):
+            await b.close()
 
     asyncio.run(main())
+
+
+def test_optimizer_state_is_saved_rounded_or_left_out_on_request(tmp_path: Path, caplog) -> None:
+    """`checkpoint_optimizer`: bfloat16 moments take about half the bytes of float32 ones and
+    resume to within their rounding; `none` keeps the weights alone, and a resumed backend's
+    moments start from zero, which the log says."""
+    sizes, moments = {}, {}
+
+    async def main() -> None:
+        for kind in ("float32", "bfloat16", "none"):
+            cfg = make_config({"checkpoint_optimizer": kind})
+            backend = LocalBackend.from_config(cfg)
+            await backend.forward_backward(await sample_groups(backend, 2), cfg.algorithm.loss)
+            await backend.optim_step()
+            await backend.save(tmp_path / kind)
+            sizes[kind] = (tmp_path / kind / "local_backend.pt").stat().st_size
+            resumed = LocalBackend.from_config(cfg)
+            await resumed.load(tmp_path / kind)
+            assert torch.equal(params(resumed), params(backend)), "weights are always exact"
+            assert resumed.learner.step == 1
+            moments[kind] = [
+                resumed.learner.optimizer.state[p].get("exp_avg_sq")
+                for p in resumed.learner.model.parameters()
+            ]
+            for b in (backend, resumed):
+                await b.close()
+
+    asyncio.run(main())
+    weights = sizes["none"]
+    assert sizes["float32"] > 2.9 * weights and sizes["bfloat16"] < 2.1 * weights
+    for full, rounded in zip(moments["float32"], moments["bfloat16"], strict=True):
+        assert rounded.dtype == torch.float32
+        assert torch.allclose(rounded, full, rtol=1 / 128, atol=0)
+    assert all(m is None for m in moments["none"])
+    assert "holds weights only (backend.checkpoint_optimizer: none)" in caplog.text
 
 
 @pytest.mark.parametrize(
