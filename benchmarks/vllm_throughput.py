@@ -10,6 +10,7 @@ relabel, resume), idle and during a full batch. The server needs `.venv-vllm/`
 
 Usage: python benchmarks/vllm_throughput.py [--batch 64] [--new-tokens 128] [--repeats 3]
                                            [--dtype bfloat16] [--model DIR|FILE.gguf]
+                                           [--local-dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -86,19 +87,20 @@ async def vllm_figures(model: Path, args: argparse.Namespace, logs: Path) -> dic
     }
 
 
-async def local_figure(model: Path, args: argparse.Namespace) -> float:
-    """Tokens/s of the local sampler (one torch thread, float32) on the same checkpoint."""
+async def local_figure(model: Path, args: argparse.Namespace, dtype: torch.dtype) -> float:
+    """Tokens/s of the local sampler (one torch thread, weights and cache in `dtype`) on the same
+    checkpoint."""
     ckpt = load_checkpoint(model)
     cpu = torch.device("cpu")
     net = load_model(ckpt.config, ckpt.state, cpu, torch.float32)
     sampler = Sampler(
-        WeightStore(0, frozen_copy(net, cpu, torch.float32)),
+        WeightStore(0, frozen_copy(net, cpu, dtype)),
         ckpt.tokenizer,
         ckpt.stop_ids,
         max_batch=args.batch,
         max_seq_len=1024,
         device=cpu,
-        dtype=torch.float32,
+        dtype=dtype,
         threads=1,
         seed=0,
     )
@@ -121,6 +123,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", help="the vLLM server's dtype")
     parser.add_argument(
+        "--local-dtypes", default="float32", help="the local sampler's, comma-separated"
+    )
+    parser.add_argument(
         "--model", type=Path, help="a checkpoint directory or .gguf file (default: tiny Qwen3)"
     )
     args = parser.parse_args()
@@ -130,7 +135,11 @@ def main() -> None:
             checkpoint_dir(args.model) if args.model else build_tiny_qwen(Path(tmp) / "tiny-qwen")
         )
         figures = asyncio.run(vllm_figures(model, args, Path(tmp)))
-        local = asyncio.run(local_figure(model, args))
+        local = {
+            name: asyncio.run(local_figure(model, args, getattr(torch, name)))
+            for name in args.local_dtypes.split(",")
+        }
+    vllm = figures["vllm_tokens_per_s"]
     print(
         json.dumps(
             {
@@ -139,8 +148,10 @@ def main() -> None:
                 "new_tokens": args.new_tokens,
                 "vllm_dtype": args.dtype,
                 **figures,
-                "local_sampler_tokens_per_s": round(local),
-                "vllm_speedup_vs_local": round(figures["vllm_tokens_per_s"] / local, 2),
+                **{f"local_{name}_tokens_per_s": round(t) for name, t in local.items()},
+                **{
+                    f"vllm_speedup_vs_local_{name}": round(vllm / t, 2) for name, t in local.items()
+                },
             }
         )
     )
