@@ -22,6 +22,7 @@ import torch
 
 from rllm_async.algorithms.losses import LossStats, policy_loss
 from rllm_async.algorithms.schedule import learning_rate
+from rllm_async.backends.local.logprobs import chunk_positions, packed_logprobs
 from rllm_async.backends.local.lora import LoRA
 from rllm_async.backends.local.model import Transformer
 from rllm_async.backends.local.packing import PackedBatch, pack
@@ -61,6 +62,7 @@ class Learner:
         self.temperature = temperature
         self.train_batch = train_batch
         self.compute_dtype = compute_dtype
+        self._chunk = chunk_positions(model.vocab_size)  # positions per chunk of logits
         self.step = 0
         self._params = list((model if lora is None else lora).parameters())
         self.optimizer = torch.optim.AdamW(
@@ -68,15 +70,10 @@ class Learner:
         )
         self._device = next(model.parameters()).device
         self._step_tokens = 0.0
-        self._pending_calls = 0
         self.updates_per_batch = updates_per_batch
         # Old logprobs of the current batch's sequences (by their tokens), and that batch's index.
         self._old: dict[tuple[int, ...], torch.Tensor] = {}
         self._old_batch = -1
-
-    @property
-    def has_pending_gradients(self) -> bool:
-        return self._pending_calls > 0
 
     def forward_backward(self, groups: list[TrajectoryGroup], loss: LossConfig) -> dict[str, float]:
         """Accumulate the gradient of the summed loss of `groups`; return this batch's `loss/*`."""
@@ -90,7 +87,6 @@ class Learner:
         for start in range(0, len(rows), self.train_batch):
             stats.merge(self._backward(rows[start : start + self.train_batch], loss))
         self._step_tokens += stats.tokens
-        self._pending_calls += 1
         return stats.metrics()
 
     def record_old_logprobs(self, groups: list[TrajectoryGroup]) -> None:
@@ -105,8 +101,9 @@ class Learner:
                 [s.loss_mask.index(1) for s in chunk],
                 share_prompts=self.model.shares_prompts,
             )
+            mask = self._loss_mask(chunk, packed.width).to(self._device)
             with torch.no_grad(), self._autocast():
-                logprobs = self._logprobs(self.model, packed.to(self._device), len(chunk))
+                logprobs = self._logprobs(self.model, packed.to(self._device), mask)
             for seq, row in zip(chunk, logprobs, strict=True):
                 self._old.setdefault(tuple(seq.tokens), row[: len(seq.tokens) - 1].clone())
 
@@ -130,7 +127,6 @@ class Learner:
         }
         self.step += 1
         self._step_tokens = 0.0
-        self._pending_calls = 0
         return metrics
 
     def merged_model(self) -> Decoder:
@@ -141,12 +137,9 @@ class Learner:
         return self.lora.merged_copy(self.model)
 
     def state_dict(self) -> dict[str, Any]:
-        """Weights (the base's and the adapters'), optimizer moments and the schedule position."""
-        if self.has_pending_gradients:
-            raise RuntimeError(
-                f"cannot checkpoint with gradients of {self._pending_calls} forward_backward "
-                "call(s) not yet applied: call optim_step() first"
-            )
+        """Weights (the base's and the adapters'), optimizer moments and the schedule position as
+        of the last `optim_step`: gradients accumulated since are not part of it (an interrupted
+        step is taken again from its start)."""
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -167,11 +160,13 @@ class Learner:
         self.model.load_state_dict(state["model"])
         if self.lora is not None:
             self.lora.load_state_dict(state["lora"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # else a weights-only checkpoint: the moments start from zero
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self.optimizer.state.clear()
         self.step = int(state["step"])
         self.optimizer.zero_grad(set_to_none=True)
         self._step_tokens = 0.0
-        self._pending_calls = 0
         self._old.clear()
         self._old_batch = -1
 
@@ -185,11 +180,11 @@ class Learner:
         packed = packed.to(self._device)
         mask, sampler_lp, adv = self._batch(rows, packed.width)
         with self._autocast():
-            logprobs = self._logprobs(self.model, packed, len(rows))
+            logprobs = self._logprobs(self.model, packed, mask)
             ref = None
             if self.ref_model is not None and loss.kl_coef > 0:
                 with torch.no_grad():
-                    ref = self._logprobs(self.ref_model, packed, len(rows))
+                    ref = self._logprobs(self.ref_model, packed, mask)
         old = None
         if loss.behaviour_logprobs == "recomputed":
             old = self._old_logprobs(seqs, logprobs.detach())
@@ -233,21 +228,26 @@ class Learner:
             old[i, : row.numel()] = row
         return old
 
-    def _logprobs(self, model: Decoder, packed: PackedBatch, n_rows: int) -> torch.Tensor:
-        """Logprobs of every predicted token, in the unpacked [rows, width] next-token layout."""
-        hidden = model.hidden(packed.inputs, packed).flatten(0, 1)[packed.index]
-        logits = model.lm_head(hidden).float() / self.temperature
-        chosen = torch.log_softmax(logits, dim=-1).gather(-1, packed.targets.unsqueeze(-1))
-        flat = chosen.new_zeros(n_rows * packed.width).index_copy(0, packed.dest, chosen[:, 0])
-        return flat.view(n_rows, packed.width)
+    def _logprobs(self, model: Decoder, packed: PackedBatch, mask: torch.Tensor) -> torch.Tensor:
+        """Logprobs of the tokens `mask` trains, in the unpacked [rows, width] next-token layout
+        (zero elsewhere: every reader masks them), chunk by chunk of logits."""
+        return packed_logprobs(model, packed, mask, self.temperature, self._chunk)
+
+    @staticmethod
+    def _loss_mask(seqs: list[TokenSequence], width: int) -> torch.Tensor:
+        """The right-padded next-token loss mask [len(seqs), width]: 1 where a token is trained."""
+        mask = torch.zeros(len(seqs), width)
+        for i, seq in enumerate(seqs):
+            mask[i, : len(seq.tokens) - 1] = torch.tensor(seq.loss_mask[1:], dtype=torch.float32)
+        return mask
 
     def _batch(self, rows: list[_Row], width: int) -> tuple[torch.Tensor, ...]:
         """Right-padded next-token tensors: loss mask, sampler logprobs, advantages."""
         shape = (len(rows), width)
-        mask, sampler_lp, adv = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
+        mask = self._loss_mask([r.sequence for r in rows], width)
+        sampler_lp, adv = torch.zeros(shape), torch.zeros(shape)
         for i, row in enumerate(rows):
             seq, n = row.sequence, len(row.sequence.tokens) - 1
-            mask[i, :n] = torch.tensor(seq.loss_mask[1:], dtype=torch.float32)
             sampler_lp[i, :n] = torch.tensor(seq.logprobs[1:], dtype=torch.float32)
             adv[i, :n] = row.advantage * mask[i, :n]
         return tuple(t.to(self._device) for t in (mask, sampler_lp, adv))

@@ -178,6 +178,11 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def vocab_size(self) -> int:
+        """The width of the logits."""
+        return self.cfg.vocab_size
+
     def forward(self, tokens: torch.Tensor, view: AttentionView | None = None) -> torch.Tensor:
         """Logits for every position; with `view`, tokens sit at `view.positions`."""
         return self.lm_head(self.hidden(tokens, view))

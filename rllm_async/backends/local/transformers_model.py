@@ -47,6 +47,7 @@ class TransformersModel(nn.Module):
         self.hf: Any = hf.eval()  # a transformers PreTrainedModel
         self.model_type = str(getattr(hf.config, "model_type", type(hf).__name__))
         self._softcap: float | None = getattr(hf.config, "final_logit_softcapping", None)
+        self.vocab_size = int(hf.get_output_embeddings().weight.shape[0])  # the logits' width
 
     def train(self, mode: bool = True) -> TransformersModel:
         """Kept in eval mode: dropout or router noise would make the trainer's logprobs differ
@@ -139,8 +140,7 @@ def load_transformers_model(path: Path, device: torch.device) -> TransformersMod
 
     hf: Any = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
     model = TransformersModel(hf.to(device=device, dtype=torch.float32))
-    vocab = int(hf.get_output_embeddings().weight.shape[0])
-    probe = torch.arange(PROBE_TOKENS, device=device).remainder(vocab).unsqueeze(0)
+    probe = torch.arange(PROBE_TOKENS, device=device).remainder(model.vocab_size).unsqueeze(0)
     with torch.no_grad():
         ours = model(probe)
         theirs = hf(input_ids=probe, use_cache=False).logits

@@ -122,8 +122,7 @@ def test_errors_in_the_learner_process_are_raised_by_the_backend(tmp_path: Path)
         with pytest.raises(ValueError, match="kl_coef"):
             await backend.forward_backward(groups, with_kl)
         await backend.forward_backward(groups, cfg.algorithm.loss)  # the process lives on
-        with pytest.raises(RuntimeError, match="optim_step"):
-            await backend.save(tmp_path)
+        await backend.save(tmp_path)  # the last step's state; the pending gradients stay
         assert (await backend.optim_step())["optim/num_tokens"] > 0
         await backend.close()
 
