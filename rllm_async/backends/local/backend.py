@@ -78,6 +78,8 @@ class LocalBackend:
         self.opts = opts
         self.device = device_of(opts.device)
         self.dtype = dtype_of(opts.dtype, self.device)
+        if opts.dtype == "auto":
+            log.info("local backend: dtype auto is %s on %s", self.dtype, self.device)
         if config.rollout.max_tokens >= opts.max_seq_len:
             raise ConfigError(
                 f"rollout.max_tokens ({config.rollout.max_tokens}) leaves no room for a prompt in "

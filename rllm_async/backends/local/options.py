@@ -29,8 +29,10 @@ class LocalOptions(BaseModel):
     # implements the architecture, else transformers.
     model_impl: Literal["auto", "native", "transformers"] = "auto"
     device: str = "cpu"  # cpu, cuda, cuda:N, or auto
-    # The sampler's weights and the trainer's autocast; trainer weights stay float32.
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # The sampler's weights and the trainer's autocast; trainer weights stay float32. `auto`:
+    # bfloat16 where the device computes it natively (a GPU that supports it, a CPU with
+    # AVX512-BF16 or AMX), else float32 (bfloat16 emulated on AVX2 is slower than float32).
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     max_batch: int = Field(default=32, ge=1)  # sequences decoded together
     train_batch: int = Field(default=16, ge=1)  # sequences per trainer forward/backward
     max_seq_len: int = Field(default=256, ge=2)  # prompt + completion
@@ -146,6 +148,18 @@ def device_of(name: str) -> torch.device:
 
 
 def dtype_of(name: str, device: torch.device) -> torch.dtype:
+    """`backend.dtype` on `device`, `auto` resolved (see `native_bfloat16`)."""
     if name == "float16" and device.type == "cpu":
         raise ConfigError("backend.dtype float16 needs a GPU: use float32 or bfloat16 on cpu")
+    if name == "auto":
+        return torch.bfloat16 if native_bfloat16(device) else torch.float32
     return DTYPES[name]
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 matrices in hardware: a GPU that supports bfloat16, or
+    a CPU with AVX512-BF16 or AMX tiles (torch's own probes, where this torch has them)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)

@@ -272,3 +272,22 @@ def test_multi_turn_environment_tokens_are_not_trained() -> None:
         await backend.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_dtype_auto_is_bfloat16_where_the_cpu_computes_it_natively(monkeypatch, native) -> None:
+    from rllm_async.backends.local.options import dtype_of
+
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, probe, lambda: native, raising=False)
+    cpu = torch.device("cpu")
+    expected = torch.bfloat16 if native else torch.float32
+    assert dtype_of("auto", cpu) is expected
+    backend = LocalBackend.from_config(make_config({"dtype": "auto"}))
+    try:
+        assert backend.dtype is expected
+        assert backend.learner.compute_dtype is expected
+        assert next(backend.store.get(None)[1].parameters()).dtype is expected, "the sampler's"
+        assert next(backend.learner.model.parameters()).dtype is torch.float32
+    finally:
+        asyncio.run(backend.close())
