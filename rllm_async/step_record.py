@@ -21,7 +21,8 @@ from rllm_async.metrics import (
 from rllm_async.types import Episode
 
 log = logging.getLogger(__name__)
-# Seconds without a record after which a finished rollout logs that generation goes on.
+# Seconds without a record after which a finished rollout logs that generation goes on (at least
+# twice the time between the last two records, so that a run whose steps are slow stays quiet).
 HEARTBEAT_S = 30.0
 
 # How each metric the trainer records is reduced over a step.
@@ -163,8 +164,10 @@ class StepRecord:
         self._pending_tokens = 0
         self._pending_judged = 0
         self._pending_correct = 0
-        # When the last record was written and the last heartbeat logged (wall-clock seconds).
+        # When the last record was written and the last heartbeat logged (wall-clock seconds), and
+        # how long without a record is news.
         self._recorded_at = self._heard = time.monotonic()
+        self._quiet_s = HEARTBEAT_S
 
     def add(self, metrics: Mapping[str, float], reduce: Reduce | None = None) -> None:
         """Add metrics to the step's record, each reduced as `REDUCTIONS` declares (or `reduce`)."""
@@ -192,7 +195,7 @@ class StepRecord:
             record_episode(self.metrics, "episode/", episode, reductions)
         self._episodes += 1
         now = time.monotonic()
-        if now - self._heard >= HEARTBEAT_S:
+        if now - self._heard >= self._quiet_s:
             self._heartbeat(now)
         return tokens
 
@@ -268,7 +271,9 @@ class StepRecord:
             )
             self._pending_judged = self._pending_correct = 0
         record = self.metrics.flush(step)
-        self._recorded_at = self._heard = time.monotonic()
+        now = time.monotonic()
+        self._quiet_s = max(HEARTBEAT_S, 2 * (now - self._recorded_at))
+        self._recorded_at = self._heard = now
         self.records.append(record)
         return record
 

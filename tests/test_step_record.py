@@ -180,3 +180,25 @@ def test_evaluations_that_finish_late_are_one_more_record_of_the_step_each() -> 
         {"step": 3, "eval/n": 2.0, "time/elapsed_s": 2.0},
         {"step": 3, "eval/n": 5.0, "time/elapsed_s": 2.0},
     ]
+
+
+def test_a_heartbeat_says_generation_goes_on_after_twice_a_steps_time_without_a_record(
+    monkeypatch, caplog
+) -> None:
+    from rllm_async import step_record
+
+    now = [0.0]
+    monkeypatch.setattr(step_record.time, "monotonic", lambda: now[0])
+    record = _record()
+    record.flush(0)
+    now[0] = 100.0
+    record.flush(1)  # steps take 100 s: no record for 200 s is news, not 30
+    caplog.set_level("INFO", logger="rllm_async")
+    for t, correct in ((150.0, True), (250.0, False), (301.0, False)):
+        now[0] = t
+        record.add_episode(_episode(1.0 if correct else 0.0, correct=correct), {})
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "generating: 3 rollouts finished in the 201 s since the last record, mean reward "
+        "0.333, 1 of 3 correct"
+    )
