@@ -141,9 +141,8 @@ class ProgressBarSink:
     correctness; else held-out reward) and staleness in its postfix. While it is open, the
     package's log lines print above it, and a line's `status` shows in the postfix."""
 
-    showing: ClassVar[int] = (
-        0  # bars open in this process: other handlers leave their lines to them
-    )
+    # Bars open in this process: other handlers leave the package's lines to them.
+    showing: ClassVar[int] = 0
 
     def __init__(self, total: int, initial: int = 0, desc: str = "train") -> None:
         from tqdm.auto import tqdm
