@@ -1,5 +1,6 @@
-"""The main job (countdown, local backend) in sync and async mode, side by side, per seed.
+"""A config (the main job by default) in sync and async mode, side by side, per seed.
 
+Sync is the config with `mode=sync coordinator.pipeline_depth=0 coordinator.max_staleness=0`.
 For each seed it runs sync then async (alternating, so that load drifts hit both alike) for
 `--steps` steps, scoring the policy on the held-out set (greedy) before the first step and every
 `--eval-every` steps, and reports per run: wall seconds per step, the held-out accuracy curve
@@ -9,7 +10,8 @@ its policy version was published; evaluations run beside training in both modes,
 shows as slower steps, and `eval_lag_s` is how long after that time they landed on average.
 Prints one JSON line.
 
-Usage: python benchmarks/time_to_reward.py [--steps 300] [--seeds 0 1 2] [--targets 0.4 0.5 0.6]
+Usage: python benchmarks/time_to_reward.py [--config examples/countdown/local_async.yaml]
+           [--modes sync async] [--steps 300] [--seeds 0 1 2] [--targets 0.4 0.5 0.6]
 """
 
 from __future__ import annotations
@@ -22,16 +24,19 @@ import time
 from rllm_async.config import load_config
 from rllm_async.trainer import UnifiedTrainer
 
-CONFIGS = {
-    "sync": "examples/countdown/local_sync.yaml",
-    "async": "examples/countdown/local_async.yaml",
+MODES = {
+    "sync": ["mode=sync", "coordinator.pipeline_depth=0", "coordinator.max_staleness=0"],
+    "async": ["mode=async"],
 }
 
 
-def one_run(mode: str, seed: int, steps: int, eval_every: int, tmp: str) -> dict[str, object]:
+def one_run(
+    path: str, mode: str, seed: int, steps: int, eval_every: int, tmp: str
+) -> dict[str, object]:
     config = load_config(
-        CONFIGS[mode],
+        path,
         [
+            *MODES[mode],
             f"name={mode}-{seed}",
             f"run_dir={tmp}",
             f"seed={seed}",
@@ -44,7 +49,7 @@ def one_run(mode: str, seed: int, steps: int, eval_every: int, tmp: str) -> dict
             "logging.progress_bar=false",
         ],
     )
-    trainer = UnifiedTrainer(config)  # the warm start is cached: built once, then loaded
+    trainer = UnifiedTrainer(config)  # warm starts and GGUF conversions are cached: made once
     t0 = time.perf_counter()
     records = trainer.run()
     wall = time.perf_counter() - t0
@@ -76,25 +81,32 @@ def ratio(sync_s: float | None, async_s: float | None) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="examples/countdown/local_async.yaml")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--targets", type=float, nargs="+", default=[0.4, 0.5, 0.6])
     args = parser.parse_args()
-    out: dict[str, object] = {"steps": args.steps, "eval_every": args.eval_every}
+    out: dict[str, object] = {
+        "config": args.config,
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             times: dict[str, dict[float, float | None]] = {}
-            for mode in ("sync", "async"):
-                result = one_run(mode, seed, args.steps, args.eval_every, tmp)
+            for mode in args.modes:
+                result = one_run(args.config, mode, seed, args.steps, args.eval_every, tmp)
                 curve = result["eval_accuracy"]
                 assert isinstance(curve, list)
                 times[mode] = {t: time_to(curve, t) for t in args.targets}
                 result["time_to_accuracy_s"] = times[mode]
                 out[f"{mode}_seed{seed}"] = result
-            out[f"speedup_seed{seed}"] = {
-                t: ratio(times["sync"][t], times["async"][t]) for t in args.targets
-            }
+            if len(times) == 2:
+                out[f"speedup_seed{seed}"] = {
+                    t: ratio(times["sync"][t], times["async"][t]) for t in args.targets
+                }
     print(json.dumps(out))
 
 

@@ -1,10 +1,12 @@
-"""The main job's countdown task trained with TRL's `GRPOTrainer` (CPU, no vLLM), for a wall-clock baseline.
+"""One of our configs trained with TRL's `GRPOTrainer` (CPU, no vLLM), for a wall-clock baseline.
 
-Everything comes from one of our configs: the same warm-started built-in model (converted into a
-Hugging Face `Qwen2ForCausalLM`, checked against ours on a sample prompt), the same character
-tokenizer (as a `PreTrainedTokenizerFast`, checked id for id), the same train and eval data, prompt
-and reward, group size, optimizer-step batch, learning rate and warmup, sampling temperature and
-completion length, and seed. Every `--eval-every` optimizer steps it measures held-out greedy
+Everything comes from the config: the same model, either a warm-started built-in one (converted
+into a Hugging Face `Qwen2ForCausalLM`, with our character tokenizer as a `PreTrainedTokenizerFast`)
+or a pretrained `backend.model_path` (loaded from the same local checkpoint by `transformers`),
+checked against ours on a sample prompt logit for logit and id for id; the same train and eval
+data, prompt and reward, group size, optimizer-step batch, learning rate and warmup, sampling
+temperature and completion length, seed, and bfloat16 autocast where our `backend.dtype` resolves
+to it. Every `--eval-every` optimizer steps it measures held-out greedy
 accuracy with the training clock paused, so only training time counts; it stops when the accuracy
 reaches `--target`, after `--max-seconds` of training, or after `--steps` steps. Prints one JSON line
 (progress goes to stderr).
@@ -14,6 +16,8 @@ reaches `--target`, after `--max-seconds` of training, or after `--steps` steps.
 Usage: python benchmarks/trl_grpo.py [--config examples/countdown/local_async.yaml] [--target 0.55]
            [--max-seconds 1800] [--steps N] [--eval-every 25] [--eval-n 512] [--threads 2]
            [key=value ...]
+       python benchmarks/trl_grpo.py --config examples/smollm2/word_problems.yaml --target 0.45
+           --max-seconds 1500 --eval-every 10
 """
 
 from __future__ import annotations
@@ -29,17 +33,23 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rllm_async.algorithms.schedule import learning_rate
+from rllm_async.backends.base import Tokenizer as ChatTokenizer
 from rllm_async.backends.local.backend import LocalBackend, LocalOptions
+from rllm_async.backends.local.hf import checkpoint_dir, load_chat_tokenizer
+from rllm_async.backends.local.learner import Learner
 from rllm_async.backends.local.model import Transformer, hf_weights
+from rllm_async.backends.local.options import dtype_of
 from rllm_async.backends.toy_tokenizers import SPECIALS, CharTokenizer
 from rllm_async.config import Config, load_config, validate_options
 from rllm_async.data import TaskSource, load_tasks
 from rllm_async.imports import import_object
+from rllm_async.workflows.prompt import task_messages
 
 # Nothing leaves the machine: no Hub look-ups, no usage pings (read when huggingface_hub is imported).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -50,7 +60,11 @@ try:
     from datasets import Dataset
     from tokenizers import Tokenizer, decoders, models
     from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
         GenerationConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
         PreTrainedTokenizerFast,
         Qwen2Config,
         Qwen2ForCausalLM,
@@ -80,16 +94,41 @@ RewardFn = Callable[[dict[str, Any], str], "float | tuple[float, bool]"]
 # -- model and tokenizer ------------------------------------------------------------------------
 
 
-def local_model(config: Config, opts: LocalOptions) -> tuple[Transformer, CharTokenizer]:
-    """Our trainable model after the (cached) warm start, built by `LocalBackend` itself."""
-    if config.backend.name != "local" or opts.model_path is not None:
-        raise SystemExit("this benchmark needs backend.name: local with a built-in backend.model")
+@dataclass
+class Policy:
+    """The model TRL trains, its tokenizer, and ours (what the held-out evaluation decodes with)."""
+
+    hf: PreTrainedModel
+    hf_tok: PreTrainedTokenizerBase
+    tokenizer: ChatTokenizer
+    stop_ids: tuple[int, ...]
+
+
+def local_model(config: Config, opts: LocalOptions) -> tuple[torch.nn.Module, ChatTokenizer]:
+    """Our trainable model (after the cached warm start, if built-in), built by `LocalBackend`."""
+    if config.backend.name != "local":
+        raise SystemExit("this benchmark needs backend.name: local")
     # On a thread, so that the learner's model is here to take.
     backend = LocalBackend(config, opts.model_copy(update={"learner": "thread"}))
     asyncio.run(backend.close())  # only the weights are needed: stop its sampler thread
-    tokenizer = backend.sampler.tokenizer
-    assert isinstance(tokenizer, CharTokenizer)
-    return backend.learner.model.eval(), tokenizer
+    assert isinstance(backend.learner, Learner)
+    return backend.learner.model.eval(), backend.sampler.tokenizer
+
+
+def hf_policy(ours: torch.nn.Module, tokenizer: ChatTokenizer, opts: LocalOptions) -> Policy:
+    """The same model and tokenizer on the Hugging Face side."""
+    if opts.model_path is None:
+        assert isinstance(ours, Transformer) and isinstance(tokenizer, CharTokenizer)
+        return Policy(
+            to_qwen2(ours, tokenizer, opts.max_seq_len),
+            hf_tokenizer(tokenizer),
+            tokenizer,
+            (tokenizer.eos_token_id,),
+        )
+    path = checkpoint_dir(Path(opts.model_path).expanduser())
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    hf_tok = AutoTokenizer.from_pretrained(path, local_files_only=True, padding_side="left")
+    return Policy(hf.eval(), hf_tok, tokenizer, load_chat_tokenizer(path)[1])
 
 
 def to_qwen2(model: Transformer, tokenizer: CharTokenizer, max_seq_len: int) -> Qwen2ForCausalLM:
@@ -151,19 +190,16 @@ def hf_tokenizer(tokenizer: CharTokenizer) -> PreTrainedTokenizerFast:
 
 
 def check_conversion(
-    ours: Transformer,
-    hf: Qwen2ForCausalLM,
-    tokenizer: CharTokenizer,
-    hf_tok: PreTrainedTokenizerFast,
-    messages: list[dict[str, str]],
+    ours: torch.nn.Module, policy: Policy, messages: list[dict[str, Any]]
 ) -> float:
     """Exit unless both tokenizers render `messages` to the same ids and both models agree on them;
     returns the largest logit difference."""
+    tokenizer, hf = policy.tokenizer, policy.hf
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    rendered = hf_tok.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    rendered = policy.hf_tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
-    hf_ids = list(rendered["input_ids"])
+    hf_ids = [int(i) for i in rendered]
     if hf_ids != ids:
         raise SystemExit(f"tokenizer mismatch on {messages!r}:\n  ours {ids}\n  hf   {hf_ids}")
     sample = torch.tensor([ids + tokenizer.encode("1+2*3") + [tokenizer.eos_token_id]])
@@ -177,12 +213,11 @@ def check_conversion(
 # -- data and reward ----------------------------------------------------------------------------
 
 
-def chat_prompt(task: dict[str, Any], workflow_args: dict[str, Any]) -> list[dict[str, str]]:
+def chat_prompt(task: dict[str, Any], workflow_args: dict[str, Any]) -> list[dict[str, Any]]:
     """The messages `SingleTurnWorkflow` sends for `task`."""
-    messages = [{"role": "user", "content": str(task[workflow_args.get("prompt_key", "prompt")])}]
-    if workflow_args.get("system_prompt"):
-        messages.insert(0, {"role": "system", "content": str(workflow_args["system_prompt"])})
-    return messages
+    return task_messages(
+        task, workflow_args.get("prompt_key", "prompt"), workflow_args.get("system_prompt")
+    )
 
 
 def reward_function(config: Config) -> RewardFn:
@@ -218,18 +253,20 @@ def train_dataset(config: Config, tasks: list[dict[str, Any]]) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def trl_reward(reward_fn: RewardFn, tasks: list[dict[str, Any]]) -> Callable[..., list[float]]:
+def trl_reward(
+    reward_fn: RewardFn, tasks: list[dict[str, Any]]
+) -> Callable[..., list[float | None]]:
     """Our reward as a TRL reward function over conversational completions."""
 
-    def countdown_reward(
+    def task_reward(
         completions: list[list[dict[str, str]]], task_index: list[int], **_: Any
-    ) -> list[float]:
+    ) -> list[float | None]:
         return [
             score(reward_fn, tasks[i], completion[-1]["content"])[0]
             for completion, i in zip(completions, task_index, strict=True)
         ]
 
-    return countdown_reward
+    return task_reward
 
 
 # -- held-out evaluation ------------------------------------------------------------------------
@@ -241,18 +278,18 @@ class HeldOut:
 
     tasks: list[dict[str, Any]]
     prompts: list[list[int]]
-    tokenizer: CharTokenizer
+    tokenizer: ChatTokenizer
+    stop_ids: tuple[int, ...]
     reward_fn: RewardFn
     max_new_tokens: int
     batch: int
 
-    def accuracy(self, model: Qwen2ForCausalLM) -> float:
-        eos = self.tokenizer.eos_token_id
+    def accuracy(self, model: PreTrainedModel) -> float:
         gen = GenerationConfig(
             max_new_tokens=self.max_new_tokens,
             do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=model.config.pad_token_id,
+            eos_token_id=list(self.stop_ids),
+            pad_token_id=self.stop_ids[0],  # only after a stop, and cut off below
         )
         by_length: dict[int, list[int]] = defaultdict(list)
         for i, ids in enumerate(self.prompts):
@@ -264,14 +301,15 @@ class HeldOut:
             for length, rows in by_length.items():
                 for start in range(0, len(rows), self.batch):
                     chunk = rows[start : start + self.batch]
-                    ids = torch.tensor([self.prompts[i] for i in chunk])
+                    prompts = torch.tensor([self.prompts[i] for i in chunk])
                     with torch.no_grad():
                         out = model.generate(
-                            ids, attention_mask=torch.ones_like(ids), generation_config=gen
+                            prompts, attention_mask=torch.ones_like(prompts), generation_config=gen
                         )
                     for i, completion in zip(chunk, out[:, length:].tolist(), strict=True):
-                        if eos in completion:  # what follows the first EOS is padding
-                            completion = completion[: completion.index(eos)]
+                        # What follows the first stop token is padding.
+                        ends = [completion.index(s) for s in self.stop_ids if s in completion]
+                        completion = completion[: min(ends, default=len(completion))]
                         text = self.tokenizer.decode(completion)
                         correct += score(self.reward_fn, self.tasks[i], text)[1]
         finally:
@@ -299,7 +337,7 @@ class Progress(TrainerCallback):
     def _train_wall(self) -> float:
         return time.perf_counter() - self._start - self._paused
 
-    def _evaluate(self, step: int, model: Qwen2ForCausalLM) -> float:
+    def _evaluate(self, step: int, model: PreTrainedModel) -> float:
         t0 = time.perf_counter()
         acc = self.held_out.accuracy(model)
         elapsed = time.perf_counter() - t0
@@ -344,7 +382,9 @@ class Progress(TrainerCallback):
 # -- the trainer --------------------------------------------------------------------------------
 
 
-def grpo_config(config: Config, micro_batch: int, max_steps: int, out_dir: str) -> trl.GRPOConfig:
+def grpo_config(
+    config: Config, micro_batch: int, max_steps: int, out_dir: str, bf16: bool
+) -> trl.GRPOConfig:
     """TRL settings mirroring ours as far as TRL allows.
 
     loss_type "dapo": the summed token losses of the whole optimizer step over its total loss-token
@@ -367,9 +407,9 @@ def grpo_config(config: Config, micro_batch: int, max_steps: int, out_dir: str) 
         output_dir=out_dir,
         seed=config.seed,
         use_cpu=True,
-        bf16=False,
+        bf16=bf16,  # autocast, as our learner's; the weights stay float32 on both sides
         fp16=False,
-        activation_checkpointing=False,  # TRL turns it on by default; a 1M model does not need it
+        activation_checkpointing=False,  # TRL turns it on by default; our learner does not
         report_to="none",
         save_strategy="no",
         eval_strategy="no",
@@ -401,7 +441,7 @@ def grpo_config(config: Config, micro_batch: int, max_steps: int, out_dir: str) 
 
 
 def optimizer(
-    model: Qwen2ForCausalLM, config: Config
+    model: PreTrainedModel, config: Config
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """Our learner's AdamW (decay on every parameter) and our schedule, warmup included."""
     opt = config.optim
@@ -426,20 +466,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     opts: LocalOptions = validate_options(LocalOptions, config.backend.options, "backend")
     ours, tokenizer = local_model(config, opts)
     torch.set_num_threads(args.threads)  # after the backend's threads set their own
-    hf = to_qwen2(ours, tokenizer, opts.max_seq_len)
-    hf_tok = hf_tokenizer(tokenizer)
+    policy = hf_policy(ours, tokenizer, opts)
+    bf16 = dtype_of(opts.dtype, torch.device("cpu")) == torch.bfloat16
     reward_fn = reward_function(config)
     assert config.data.train is not None and config.data.eval is not None
     train_tasks = load_tasks(config.data.train, "train")
     eval_tasks = load_tasks(config.data.eval, "eval")[: args.eval_n]
-    diff = check_conversion(
-        ours, hf, tokenizer, hf_tok, chat_prompt(eval_tasks[0], config.workflow.args)
-    )
+    diff = check_conversion(ours, policy, chat_prompt(eval_tasks[0], config.workflow.args))
+    del ours
     print(f"conversion checked: max |logit diff| {diff:.2e}, same token ids", file=sys.stderr)
     held_out = HeldOut(
         eval_tasks,
         [tokenizer.apply_chat_template(chat_prompt(t, config.workflow.args)) for t in eval_tasks],
         tokenizer,
+        policy.stop_ids,
         reward_fn,
         config.eval.max_tokens or config.rollout.max_tokens,
         opts.max_batch,
@@ -453,18 +493,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out_dir:
         # TRL builds its KL reference from the policy's `name_or_path`: point it at a saved copy
         # of the warm-started weights (the reference our learner keeps).
-        hf.save_pretrained(f"{out_dir}/reference")
-        hf.config.name_or_path = f"{out_dir}/reference"
+        policy.hf.save_pretrained(f"{out_dir}/reference")
+        policy.hf.config.name_or_path = f"{out_dir}/reference"
+        steps = args.steps or NO_STEP_LIMIT
         trainer = trl.GRPOTrainer(
-            model=hf,
+            model=policy.hf,
             reward_funcs=trl_reward(reward_fn, train_tasks),
-            args=grpo_config(
-                config, micro_batch_size(config, opts), args.steps or NO_STEP_LIMIT, out_dir
-            ),
+            args=grpo_config(config, micro_batch_size(config, opts), steps, out_dir, bf16),
             train_dataset=train_dataset(config, train_tasks),
-            processing_class=hf_tok,
+            processing_class=policy.hf_tok,
             callbacks=[progress],
-            optimizers=optimizer(hf, config),
+            optimizers=optimizer(policy.hf, config),
         )
         trainer.remove_callback(PrinterCallback)  # progress is ours, on stderr
         trainer.train()
@@ -472,6 +511,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "trl_version": trl.__version__,
         "torch_threads": torch.get_num_threads(),
+        "bf16": bf16,
         "config": args.config,
         "steps": steps,
         "train_wall_s": round(progress.train_seconds, 2),
