@@ -81,9 +81,7 @@ class Generation:
         """One rollout of a dispatched group, into the buffer; the group's end when it completes
         (`kept`: the group as the workload record keeps it, if it does)."""
         ro, record = self.config.rollout, self.record
-        start = self.slots.acquire_nowait()
-        if start is None:
-            start = await self.slots.acquire()
+        start = await self.slots.acquire()
         try:
             meter = self.workload.started(kept)
             episode = None
@@ -96,7 +94,7 @@ class Generation:
                     pin=self.pin,
                     timeout_s=ro.timeout_s,
                     retries=ro.retries,
-                    wait_unpaused=self.coordinator.wait_unpaused,
+                    pause=self.coordinator.pause,
                     report=record.add_generation,
                     rollout_index=index,
                     parser=self.parser,

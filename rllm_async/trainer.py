@@ -10,10 +10,8 @@ past 400 lines so that the training loop reads in one place.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
@@ -131,13 +129,10 @@ class UnifiedTrainer:
         self.interrupted = False
         try:
             await fit.start()
-            with _collector_for_rollouts():
-                async with asyncio.TaskGroup() as scope:
-                    generation = scope.create_task(
-                        fit.generation.run(), name="rllm-async:generation"
-                    )
-                    training = scope.create_task(fit.train(generation), name="rllm-async:training")
-                    self._stop = lambda: loop.call_soon_threadsafe(fit.interrupt, training)
+            async with asyncio.TaskGroup() as scope:
+                generation = scope.create_task(fit.generation.run(), name="rllm-async:generation")
+                training = scope.create_task(fit.train(generation), name="rllm-async:training")
+                self._stop = lambda: loop.call_soon_threadsafe(fit.interrupt, training)
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
         finally:
@@ -175,7 +170,7 @@ class UnifiedTrainer:
         )
         policy = self.backend.policy()
         evaluator = Evaluator(cfg, self.workflow, self.eval_tasks, callbacks)
-        evals = EvalSchedule(evaluator, cfg, policy, coord.wait_unpaused)
+        evals = EvalSchedule(evaluator, cfg, policy, coord.pause)
         resume_from = checkpoint.resume_path(cfg.checkpoint.resume, cfg.run_path)
         initial = checkpoint.read_state(resume_from).version if resume_from else 0
         record = StepRecord.from_config(cfg, self.records, coord.snapshot(), now, initial)
@@ -504,25 +499,6 @@ class _Fit:
         keep_last = self.config.checkpoint.keep_last
         await checkpoint.save(self.config.run_path, self.backend, version, state, keep_last)
         self.checkpointed = version
-
-
-@contextlib.contextmanager
-def _collector_for_rollouts() -> Iterator[None]:
-    """The garbage collector set for thousands of rollouts in flight, the host's settings restored
-    after: what start-up made (modules, models, data) is frozen out of its passes, and it collects
-    the youngest objects once tracked objects grew by 500,000 (allocations less deallocations)
-    instead of 700. The objects of the rollouts in flight and of the groups waiting to be trained
-    (hundreds of thousands at 16k rollouts in flight) are then not scanned, promoted and scanned
-    again while they live, which paused the event loop for milliseconds each time and took a
-    tenth of the control plane's time at 50,000 (docs/benchmarks.md)."""
-    thresholds = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(500_000, *thresholds[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*thresholds)
-        gc.unfreeze()
 
 
 def _workload_meta(config: Config, virtual_clock: bool) -> dict[str, Any]:
