@@ -66,13 +66,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def collector_for_rollouts() -> Iterator[None]:
-    """The garbage collector set for thousands of rollouts in flight, the process's settings
-    restored after: what start-up made (modules, models, data) is frozen out of its passes, and the
-    youngest objects are collected once tracked objects grew by 500,000 instead of 700. The
-    objects of the rollouts in flight are then freed by reference counting before a pass scans
-    and promotes them; with the defaults, passes over them paused the event loop for 120-430 ms at
-    16,384 rollouts in flight (docs/benchmarks.md). Process-wide, so the command that owns the
-    process sets it; a library user opts in the same way: `with collector_for_rollouts(): ...`."""
+    """The garbage collector set for thousands of rollouts in flight, restored after: start-up's
+    objects frozen out of its passes, the youngest collected once tracked objects grew by 500,000
+    instead of 700, so that a rollout's objects are freed before a pass scans them (with the
+    defaults, passes paused the loop for 120-430 ms at 16,384 rollouts in flight). Process-wide:
+    the command that owns the process sets it; a library user opts in the same way."""
     thresholds = gc.get_threshold()
     gc.freeze()
     gc.set_threshold(500_000, *thresholds[1:])
