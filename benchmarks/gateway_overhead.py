@@ -76,14 +76,8 @@ class InstantPolicy:
         return Completion(list(self.reply), [-0.1] * n, [0] * n)
 
 
-async def _open() -> None:
-    return None
-
-
 def _context(policy: InstantPolicy) -> RolloutContext:
-    return RolloutContext(
-        policy, sampling=SamplingParams(), pin=True, wait_unpaused=_open, deadline=1e18, task_id="b"
-    )
+    return RolloutContext(policy, sampling=SamplingParams(), pin=True, deadline=1e18, task_id="b")
 
 
 async def _times(fn: Callable[[], Awaitable[object]], n: int) -> list[float]:

@@ -11,7 +11,10 @@ Prints one JSON line:
   resume), excluding the hook's own time;
 - load_1min: the machine's load average before each part (other processes skew every figure).
 
-Usage: python benchmarks/overhead.py [--steps N] [--in-flight 16384]
+Both parts run under the collector settings of `rllm-async train` (`collector_for_rollouts`), or
+Python's defaults with `--collector default`.
+
+Usage: python benchmarks/overhead.py [--steps N] [--in-flight 16384] [--collector default]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import tempfile
 import time
 
 from rllm_async.backends.sim import workload_config
+from rllm_async.cli import collector_for_rollouts
 from rllm_async.config import Config
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.vclock import run
@@ -132,18 +136,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--lag-seconds", type=float, default=10.0)
     parser.add_argument("--in-flight", type=int, default=4096, help="rollouts in flight at once")
+    parser.add_argument("--collector", choices=["rollouts", "default"], default="rollouts")
     args = parser.parse_args()
     if args.in_flight < 8 * GROUP_SIZE or args.in_flight % (8 * GROUP_SIZE):
         parser.error(f"--in-flight must be a positive multiple of {8 * GROUP_SIZE}")
+    tuned = args.collector == "rollouts"
     load_throughput = os.getloadavg()[0]
-    eps, eps_cpu, overheads = throughput(args.steps, args.in_flight)
+    with collector_for_rollouts() if tuned else contextlib.nullcontext():
+        eps, eps_cpu, overheads = throughput(args.steps, args.in_flight)
     load_lag = os.getloadavg()[0]
-    lags, peak = loop_lag(args.lag_seconds, args.in_flight)
+    with collector_for_rollouts() if tuned else contextlib.nullcontext():
+        lags, peak = loop_lag(args.lag_seconds, args.in_flight)
     lags.sort()
     print(
         json.dumps(
             {
                 "in_flight": args.in_flight,
+                "collector": args.collector,
                 "load_1min": [round(load_throughput, 2), round(load_lag, 2)],
                 "episodes_per_s": round(eps),
                 "episodes_per_cpu_s": round(eps_cpu),

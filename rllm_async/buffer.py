@@ -21,9 +21,30 @@ class Dispatch:
     task: dict[str, Any]
     task_id: str
     version: int
-    tokens: int = 0  # completion tokens of its finished rollouts so far
-    judged: int = 0  # its finished rollouts with a judgement of correctness (is_correct not None)
-    correct: int = 0  # those judged correct
+
+
+@dataclass(slots=True)
+class GroupOutcome:
+    """How a group whose rollouts all ended came out: its new state and its finished rollouts'
+    episodes, in rollout order."""
+
+    state: GroupState
+    episodes: list[Episode]
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens of its finished rollouts."""
+        return sum(ep.num_completion_tokens for ep in self.episodes)
+
+    @property
+    def judged(self) -> int:
+        """Its rollouts with a judgement of correctness (`is_correct` not None)."""
+        return sum(ep.is_correct is not None for ep in self.episodes)
+
+    @property
+    def correct(self) -> int:
+        """Its rollouts judged correct."""
+        return sum(bool(ep.is_correct) for ep in self.episodes)
 
 
 @dataclass(slots=True)
@@ -34,6 +55,11 @@ class ReadyGroup:
     groups: list[TrajectoryGroup]
     episodes: list[Episode]
     min_version: int  # oldest token version in any of its groups, computed once
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens of its episodes."""
+        return sum(ep.num_completion_tokens for ep in self.episodes)
 
 
 @dataclass(slots=True)
@@ -118,29 +144,29 @@ class TrajectoryGroupBuffer:
             pending.episodes[index] = episode
         return len(pending.episodes) + pending.failures >= pending.expected
 
-    async def complete(self, dispatch_id: int) -> GroupState:
-        """End a group whose rollouts are all in: failed, filtered, or queued once there is room;
-        its new state."""
-        pending = self._pending.pop(dispatch_id)
-        if len(pending.episodes) < self.min_group_size:
-            return self._end(dispatch_id, GroupState.FAILED)
-        ready = self._complete(pending)
-        if ready is None:
-            return self._end(dispatch_id, GroupState.FILTERED)
-        await self.coordinator.wait_for(lambda: len(self._ready) < self.capacity, "buffer space")
-        heapq.heappush(self._ready, (ready.min_version, next(self._seq), ready))
-        self.coordinator.move(GroupState.IN_FLIGHT, GroupState.BUFFERED)
-        return GroupState.BUFFERED
-
-    def _end(self, dispatch_id: int, state: GroupState) -> GroupState:
-        del self._outstanding[dispatch_id]
-        self.coordinator.move(GroupState.IN_FLIGHT, state)
-        return state
-
-    def _complete(self, pending: _Pending) -> ReadyGroup | None:
-        """Group the survivors by actor and compute advantages; None if every group is filtered."""
+    async def complete(self, dispatch_id: int) -> GroupOutcome:
+        """End a group whose rollouts are all in: failed, filtered, or queued once there is room."""
+        pending = self._pending[dispatch_id]  # until it leaves, its tokens count at `cancel`
         # Rollout order, not completion order, so that batches do not depend on timing.
         episodes = [pending.episodes[i] for i in sorted(pending.episodes)]
+        if len(episodes) < self.min_group_size:
+            return self._end(dispatch_id, GroupOutcome(GroupState.FAILED, episodes))
+        ready = self._complete(pending.dispatch, episodes)
+        if ready is None:
+            return self._end(dispatch_id, GroupOutcome(GroupState.FILTERED, episodes))
+        await self.coordinator.wait_for(lambda: len(self._ready) < self.capacity, "buffer space")
+        del self._pending[dispatch_id]
+        heapq.heappush(self._ready, (ready.min_version, next(self._seq), ready))
+        self.coordinator.move(GroupState.IN_FLIGHT, GroupState.BUFFERED)
+        return GroupOutcome(GroupState.BUFFERED, episodes)
+
+    def _end(self, dispatch_id: int, outcome: GroupOutcome) -> GroupOutcome:
+        del self._pending[dispatch_id], self._outstanding[dispatch_id]
+        self.coordinator.move(GroupState.IN_FLIGHT, outcome.state)
+        return outcome
+
+    def _complete(self, dispatch: Dispatch, episodes: list[Episode]) -> ReadyGroup | None:
+        """Group the survivors by actor and compute advantages; None if every group is filtered."""
         # Episodes that are not judged (is_correct None) never count as unsolved.
         if self.filter_unsolved and all(ep.is_correct is False for ep in episodes):
             return None
@@ -155,17 +181,17 @@ class TrajectoryGroupBuffer:
                 continue
             groups.append(
                 TrajectoryGroup(
-                    task_id=pending.dispatch.task_id,
+                    task_id=dispatch.task_id,
                     name=name,
                     trajectories=trajs,
                     advantages=self.advantage_fn(rewards, self.normalize_std),
-                    dispatch_id=pending.dispatch.id,
-                    dispatch_version=pending.dispatch.version,
+                    dispatch_id=dispatch.id,
+                    dispatch_version=dispatch.version,
                 )
             )
         if not groups:
             return None
-        return ReadyGroup(pending.dispatch, groups, episodes, min(g.min_version for g in groups))
+        return ReadyGroup(dispatch, groups, episodes, min(g.min_version for g in groups))
 
     async def get(self) -> ReadyGroup | None:
         """The ready group with the oldest policy version; None once closed and drained."""
@@ -194,11 +220,15 @@ class TrajectoryGroupBuffer:
 
     def cancel(self) -> int:
         """Cancel the groups still in flight or queued (at shutdown); returns the completion
-        tokens they generated, now wasted."""
+        tokens their finished rollouts generated, now wasted."""
         coord = self.coordinator
+        tokens = sum(ready.tokens for _, _, ready in self._ready)
+        tokens += sum(
+            ep.num_completion_tokens for p in self._pending.values() for ep in p.episodes.values()
+        )
         for _ in range(len(self._ready)):
             coord.move(GroupState.BUFFERED, GroupState.CANCELLED)
         self._ready.clear()
         for _ in range(coord.counts.in_flight):
             coord.move(GroupState.IN_FLIGHT, GroupState.CANCELLED)
-        return sum(d.tokens for d in self._outstanding.values())
+        return tokens

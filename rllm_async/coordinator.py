@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
 from rllm_async.config import CoordinatorConfig
+from rllm_async.rollout.pause import SyncPause
 
 
 class GroupState(enum.StrEnum):
@@ -121,9 +122,7 @@ class SyncCoordinator:
         self.on_event: Callable[[str, Counts], None] | None = None  # observer, e.g. for tests
         self._hook = on_policy_updated
         self._changed: asyncio.Event | None = None  # made when someone waits, set by `notify`
-        self._unpaused = asyncio.Event()
-        self._unpaused.set()
-        self._no_sync: asyncio.Future[None] | None = None  # `wait_unpaused` with no sync: shared
+        self.pause = SyncPause()  # on while a weight sync runs: model calls wait it out
         self._idle: _IdleMeter | None = None  # from the first rollout on
 
     # -- admission ---------------------------------------------------------------------------
@@ -188,23 +187,6 @@ class SyncCoordinator:
 
     # -- weight sync ----------------------------------------------------------------------------
 
-    @property
-    def paused(self) -> bool:
-        return not self._unpaused.is_set()
-
-    def wait_unpaused(self) -> Awaitable[None]:
-        """What a new model call awaits while a weight sync is in progress; a future already done
-        when none is, which callers may skip without suspending (`RolloutContext`)."""
-        if self._unpaused.is_set():
-            if self._no_sync is None:  # done, so awaiting it touches no loop: any loop may share it
-                self._no_sync = asyncio.get_running_loop().create_future()
-                self._no_sync.set_result(None)
-            return self._no_sync
-        return self._sync_end()
-
-    async def _sync_end(self) -> None:
-        await self._unpaused.wait()
-
     def sync_due(self, version: int) -> bool:
         """Whether the engine gets the weights of `version`: every `sync_every` optimizer steps,
         and every step during `sync_warmup_steps` (which run on-policy)."""
@@ -222,7 +204,7 @@ class SyncCoordinator:
         """
         loop = asyncio.get_running_loop()
         start = loop.time()
-        self._unpaused.clear()
+        self.pause.pause()
         if self._idle is not None:
             self._idle.change(paused=True)
         self.notify()  # waiters stop their stall clocks (see `wait_for`)
@@ -249,7 +231,7 @@ class SyncCoordinator:
             end = loop.time()
             if self._idle is not None:
                 self._idle.change(paused=False)
-            self._unpaused.set()
+            self.pause.resume()
             self._event("policy_updated")
         return hook_s, end - start
 
@@ -286,7 +268,7 @@ class SyncCoordinator:
             if self._changed is None:
                 self._changed = asyncio.Event()
             changed = self._changed
-            if self.paused:
+            if self.pause.paused:
                 await changed.wait()
                 continue
             loop = asyncio.get_running_loop()

@@ -4,7 +4,6 @@ says when evaluations run during a fit; `evaluate_checkpoint` scores a saved che
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ from rllm_async.callbacks import Callback
 from rllm_async.config import Config
 from rllm_async.data import load_tasks
 from rllm_async.metrics import MetricsAggregator
+from rllm_async.rollout import Pause, SyncPause
 from rllm_async.runner import build_workflow, configured_parser, run_rollout
 from rllm_async.step_record import record_episode
 from rllm_async.workflows.base import Workflow
@@ -38,7 +38,7 @@ class Evaluator:
     async def evaluate(
         self,
         policy: PolicyClient,
-        wait_unpaused: Callable[[], Awaitable[None]],
+        pause: Pause,
         *,
         background: bool = False,
         version: int | None = None,
@@ -72,7 +72,7 @@ class Evaluator:
                     version=pinned,
                     timeout_s=cfg.rollout.timeout_s,
                     retries=0,
-                    wait_unpaused=wait_unpaused,
+                    pause=pause,
                     parser=configured_parser(cfg, policy),
                 )
                 return rollout.episode
@@ -116,12 +116,12 @@ class EvalSchedule:
         evaluator: Evaluator,
         config: Config,
         policy: PolicyClient,
-        wait_unpaused: Callable[[], Awaitable[None]],
+        pause: Pause,
     ) -> None:
         self.evaluator = evaluator
         self.config = config
         self.policy = policy
-        self.wait_unpaused = wait_unpaused
+        self.pause = pause
         self.enabled = bool(evaluator.tasks)
         self.evaluated_version = -1
         self._beside: list[asyncio.Task[dict[str, float]]] = []  # in the order they were due
@@ -130,7 +130,7 @@ class EvalSchedule:
 
     async def evaluate(self) -> dict[str, float]:
         """Evaluate the current policy now."""
-        out = await self.evaluator.evaluate(self.policy, self.wait_unpaused)
+        out = await self.evaluator.evaluate(self.policy, self.pause)
         self.evaluated_version = int(out["eval/policy_version"])
         return out
 
@@ -168,7 +168,7 @@ class EvalSchedule:
             self._waiting = None
             skipped, self._skipped = self._skipped, 0
             out = await self.evaluator.evaluate(
-                self.policy, self.wait_unpaused, background=True, version=version
+                self.policy, self.pause, background=True, version=version
             )
         finally:
             self.policy.release(version)
@@ -198,15 +198,10 @@ async def evaluate_checkpoint(config: Config, path: Path, backend: Backend) -> d
     try:
         await workflow.start(backend.policy())
         await checkpoint.load(path, backend)
-        return await Evaluator(config, workflow, tasks, []).evaluate(
-            backend.policy(), _never_paused
-        )
+        # No weight sync pauses a checkpoint's evaluation.
+        return await Evaluator(config, workflow, tasks, []).evaluate(backend.policy(), SyncPause())
     finally:
         try:
             await workflow.close()
         finally:
             await backend.close()
-
-
-async def _never_paused() -> None:
-    """No weight sync pauses a checkpoint's evaluation."""

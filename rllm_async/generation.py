@@ -1,23 +1,22 @@
 """The generation side of one fit: a task dispatched whenever the coordinator admits one, its
 group's rollouts run fire-and-forget (as many at once as `RolloutSlots` allows), every episode
-handed to the buffer, and the per-rollout accounting (step record, health guards, workload)."""
+handed to the buffer, and what each rollout and group came to reported to `Accounting`."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 
+from rllm_async.accounting import Accounting
 from rllm_async.backends.base import PolicyClient, SamplingParams
 from rllm_async.buffer import Dispatch, TrajectoryGroupBuffer
 from rllm_async.config import Config
-from rllm_async.coordinator import GroupState, SyncCoordinator
+from rllm_async.coordinator import SyncCoordinator
 from rllm_async.data import TaskSource
-from rllm_async.health import FailureRateBreaker, NoSignalGuard
 from rllm_async.rollout_slots import RolloutSlots
 from rllm_async.runner import configured_parser, run_rollout
-from rllm_async.step_record import StepRecord, solved_metrics
 from rllm_async.workflows.base import Workflow
-from rllm_async.workload_record import KeptGroup, WorkloadRecorder
+from rllm_async.workload_record import KeptGroup
 
 
 class Generation:
@@ -32,12 +31,11 @@ class Generation:
         coordinator: SyncCoordinator,
         buffer: TrajectoryGroupBuffer,
         source: TaskSource,
-        record: StepRecord,
-        workload: WorkloadRecorder,
+        accounting: Accounting,
     ) -> None:
         self.config, self.workflow, self.policy = config, workflow, policy
         self.coordinator, self.buffer, self.source = coordinator, buffer, source
-        self.record, self.workload = record, workload
+        self.accounting = accounting
         self.sampling = SamplingParams(
             temperature=config.rollout.temperature,
             top_p=config.rollout.top_p,
@@ -49,8 +47,6 @@ class Generation:
         )
         self.pin = config.coordinator.weight_update == "pin"
         self.dispatch_ids = itertools.count()
-        self.breaker = FailureRateBreaker(config)
-        self.no_signal = NoSignalGuard(config)
 
     async def run(self) -> None:
         """Dispatch tasks as admission allows, fire and forget; close the buffer at the data's end."""
@@ -70,7 +66,7 @@ class Generation:
                 coord.dispatch()
                 dispatch = Dispatch(next(self.dispatch_ids), task, task["id"], coord.version)
                 self.buffer.open(dispatch)
-                kept = self.workload.group_started()
+                kept = self.accounting.on_dispatch()
                 for index in range(self.config.rollout.group_size):
                     rollouts.create_task(self._rollout(dispatch, index, kept))
                 # Admission may allow hundreds of groups at once: let the loop breathe between them.
@@ -80,48 +76,26 @@ class Generation:
     async def _rollout(self, dispatch: Dispatch, index: int, kept: KeptGroup | None) -> None:
         """One rollout of a dispatched group, into the buffer; the group's end when it completes
         (`kept`: the group as the workload record keeps it, if it does)."""
-        ro, record = self.config.rollout, self.record
-        start = self.slots.acquire_nowait()
-        if start is None:
-            start = await self.slots.acquire()
+        ro, accounting = self.config.rollout, self.accounting
+        start = await self.slots.acquire()
         try:
-            meter = self.workload.started(kept)
-            episode = None
-            try:
-                rollout = await run_rollout(
-                    self.workflow,
-                    dispatch.task,
-                    self.policy,
-                    sampling=self.sampling,
-                    pin=self.pin,
-                    timeout_s=ro.timeout_s,
-                    retries=ro.retries,
-                    wait_unpaused=self.coordinator.wait_unpaused,
-                    report=record.add_generation,
-                    rollout_index=index,
-                    parser=self.parser,
-                    meter=meter,
-                )
-                episode = rollout.episode
-            finally:
-                self.workload.finished(meter, episode)
+            meter = accounting.rollout_meter(kept)
+            rollout = await run_rollout(
+                self.workflow,
+                dispatch.task,
+                self.policy,
+                sampling=self.sampling,
+                pin=self.pin,
+                timeout_s=ro.timeout_s,
+                retries=ro.retries,
+                pause=self.coordinator.pause,
+                report=accounting.on_attempt,
+                rollout_index=index,
+                parser=self.parser,
+                meter=meter,
+            )
         finally:
             self.slots.release(start)
-        if episode is None:
-            record.add({"rollout/failures": 1})
-        else:
-            dispatch.tokens += record.add_episode(episode, self.workflow.metric_reductions)
-            if episode.is_correct is not None:
-                dispatch.judged += 1
-                dispatch.correct += episode.is_correct
-        self.breaker.observe(episode is None, rollout.last_error)
-        if not self.buffer.add(dispatch.id, index, episode):
-            return
-        state = await self.buffer.complete(dispatch.id)
-        record.add(solved_metrics(dispatch, ro.group_size))
-        failed = state is GroupState.FAILED
-        self.workload.group_ended(kept, None if failed else state is GroupState.FILTERED)
-        self.source.group_ended(dispatch.task, solved=dispatch.correct == ro.group_size)
-        if state in (GroupState.FILTERED, GroupState.FAILED):
-            record.add({"tokens/wasted": dispatch.tokens})
-        self.no_signal.observe(state)
+        accounting.on_rollout(meter, rollout)
+        if self.buffer.add(dispatch.id, index, rollout.episode):
+            accounting.on_group(dispatch, kept, await self.buffer.complete(dispatch.id))

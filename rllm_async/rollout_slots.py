@@ -37,18 +37,10 @@ class RolloutSlots:
         late = self.coordinator.staleness(min(self._starts)) > k // 2
         return self.late_limit if late else self.max_concurrency
 
-    def acquire_nowait(self) -> int | None:
-        """A slot now, if one is free and no rollout waits for one: the policy version the
-        rollout starts at (hand it to `release`); None otherwise."""
-        if not self._waiters and self.running < self.limit():
-            return self._grant()
-        return None
-
     async def acquire(self) -> int:
         """Wait for a slot; the policy version the rollout starts at (hand it to `release`)."""
-        start = self.acquire_nowait()
-        if start is not None:
-            return start
+        if not self._waiters and self.running < self.limit():
+            return self._grant()
         slot: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._waiters.append(slot)
         try:

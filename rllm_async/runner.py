@@ -6,14 +6,14 @@ Training and evaluation both run their rollouts through `run_rollout`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rllm_async.backends.base import PolicyClient, SamplingParams
 from rllm_async.config import Config, ConfigError
 from rllm_async.imports import import_object
-from rllm_async.rollout import CallMeter, RolloutContext
+from rllm_async.rollout import CallMeter, Pause, RolloutContext
 from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
 from rllm_async.types import Episode
 from rllm_async.workflows.base import Workflow
@@ -37,7 +37,7 @@ async def run_rollout(
     pin: bool,
     timeout_s: float,
     retries: int,
-    wait_unpaused: Callable[[], Awaitable[None]],
+    pause: Pause,
     report: Callable[[dict[str, float]], None] = lambda metrics: None,
     rollout_index: int = 0,
     version: int | None = None,
@@ -45,7 +45,8 @@ async def run_rollout(
     meter: CallMeter | None = None,
 ) -> Rollout:
     """Run one rollout of `task`, each attempt under its own `timeout_s` deadline, retrying
-    failures `retries` times; `version` pins every call to that policy version; `parser` reads the
+    failures `retries` times; every model call waits out `pause`; `version` pins every call to
+    that policy version; `parser` reads the
     replies (by default, in the family of the policy's checkpoint); `meter` is told when each
     model call begins and ends. The metrics of each retry and failed attempt go to `report` as
     they happen."""
@@ -59,7 +60,7 @@ async def run_rollout(
             sampling=sampling,
             pin=pin,
             version=version,
-            wait_unpaused=wait_unpaused,
+            pause=pause,
             deadline=loop.time() + timeout_s,
             task_id=task["id"],
             rollout_index=rollout_index,
@@ -68,7 +69,7 @@ async def run_rollout(
             meter=meter,
         )
         try:
-            with ctx.timeout():
+            async with ctx.timeout():
                 result = await workflow.run(task, ctx)
             episode = ctx.build_episode(result)
         except TimeoutError:

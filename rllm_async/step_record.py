@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Mapping
 
-from rllm_async.buffer import Dispatch, ReadyGroup
+from rllm_async.buffer import ReadyGroup
 from rllm_async.config import Config
 from rllm_async.metrics import (
     JsonlSink,
@@ -134,25 +134,14 @@ class StepRecord:
 
     @classmethod
     def from_config(
-        cls,
-        config: Config,
-        records: list[dict[str, float]],
-        counts: dict[str, int],
-        now: float,
-        initial_step: int,
+        cls, config: Config, counts: dict[str, int], now: float, initial_step: int
     ) -> StepRecord:
         """The record of a fit of `config`, its sinks as `logging:` asks (see `sinks`)."""
-        return cls(MetricsAggregator(sinks(config, initial_step)), records, counts, now)
+        return cls(MetricsAggregator(sinks(config, initial_step)), counts, now)
 
-    def __init__(
-        self,
-        metrics: MetricsAggregator,
-        records: list[dict[str, float]],
-        counts: dict[str, int],
-        now: float,
-    ) -> None:
+    def __init__(self, metrics: MetricsAggregator, counts: dict[str, int], now: float) -> None:
         self.metrics = metrics
-        self.records = records  # every record written, appended to
+        self.records: list[dict[str, float]] = []  # every record written, in order
         self.fit_start = self.step_start = now
         self._counts = counts  # the coordinator's counts at the previous record
         self._episodes = 0
@@ -179,10 +168,10 @@ class StepRecord:
         self.add(metrics)
         self._tokens += int(metrics.get("tokens/generated", 0))
 
-    def add_episode(self, episode: Episode, reductions: Mapping[str, Reduce]) -> int:
+    def add_episode(self, episode: Episode, reductions: Mapping[str, Reduce]) -> None:
         """A finished episode's metrics (reward, completion tokens, and correctness where judged:
         every scored rollout counts, trained or filtered), its own reduced as its workflow's
-        `reductions` declare; returns its completion tokens, counted once here."""
+        `reductions` declare."""
         tokens = episode.num_completion_tokens
         self._pending_episodes += 1
         self._pending_reward += float(episode.reward)
@@ -197,7 +186,6 @@ class StepRecord:
         now = time.monotonic()
         if now - self._heard >= self._quiet_s:
             self._heartbeat(now)
-        return tokens
 
     def _heartbeat(self, now: float) -> None:
         """Say that generation goes on while no step is recorded (a task the policy cannot yet
@@ -301,17 +289,6 @@ class StepRecord:
 
     def close(self) -> None:
         self.metrics.close()
-
-
-def solved_metrics(dispatch: Dispatch, group_size: int) -> dict[str, float]:
-    """A completed group whose rollouts were all judged as solved by all or by none: the groups
-    that teach nothing, by kind, whether or not they are filtered."""
-    if dispatch.judged != group_size:
-        return {}
-    return {
-        "groups/solve_all": float(dispatch.correct == group_size),
-        "groups/solve_none": float(dispatch.correct == 0),
-    }
 
 
 def sinks(cfg: Config, initial_step: int) -> list[MetricsSink]:

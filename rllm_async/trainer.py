@@ -10,15 +10,14 @@ past 400 lines so that the training loop reads in one place.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
 from rllm_async import checkpoint
+from rllm_async.accounting import Accounting
 from rllm_async.algorithms.advantages import get_advantage_fn
 from rllm_async.backends import get_backend_factory
 from rllm_async.backends.base import Backend, PolicyClient, RecomputesLogprobs
@@ -102,7 +101,7 @@ class UnifiedTrainer:
             backend.on_policy_updated,
             updates_per_batch=config.train.updates_per_batch,
         )
-        self.records: list[dict[str, float]] = []
+        self.records: list[dict[str, float]] = []  # of every fit, each added as it ends
         self.interrupted = False  # the last fit stopped at `interrupt()`
         self._stop: Callable[[], object] | None = None  # asks the running fit to stop
 
@@ -131,19 +130,19 @@ class UnifiedTrainer:
         self.interrupted = False
         try:
             await fit.start()
-            with _collector_for_rollouts():
-                async with asyncio.TaskGroup() as scope:
-                    generation = scope.create_task(
-                        fit.generation.run(), name="rllm-async:generation"
-                    )
-                    training = scope.create_task(fit.train(generation), name="rllm-async:training")
-                    self._stop = lambda: loop.call_soon_threadsafe(fit.interrupt, training)
+            async with asyncio.TaskGroup() as scope:
+                generation = scope.create_task(fit.generation.run(), name="rllm-async:generation")
+                training = scope.create_task(fit.train(generation), name="rllm-async:training")
+                self._stop = lambda: loop.call_soon_threadsafe(fit.interrupt, training)
         except BaseExceptionGroup as group:
             raise _first_error(group) from None
         finally:
             self._stop = None
-            await fit.close()
-            self.interrupted = fit.interrupted
+            try:
+                await fit.close()
+            finally:
+                self.records.extend(fit.record.records)
+                self.interrupted = fit.interrupted
         return self.records
 
     def interrupt(self) -> bool:
@@ -175,13 +174,15 @@ class UnifiedTrainer:
         )
         policy = self.backend.policy()
         evaluator = Evaluator(cfg, self.workflow, self.eval_tasks, callbacks)
-        evals = EvalSchedule(evaluator, cfg, policy, coord.wait_unpaused)
+        evals = EvalSchedule(evaluator, cfg, policy, coord.pause)
         resume_from = checkpoint.resume_path(cfg.checkpoint.resume, cfg.run_path)
         initial = checkpoint.read_state(resume_from).version if resume_from else 0
-        record = StepRecord.from_config(cfg, self.records, coord.snapshot(), now, initial)
+        record = StepRecord.from_config(cfg, coord.snapshot(), now, initial)
         meta = _workload_meta(cfg, self.virtual_clock)
         workload = WorkloadRecorder(meta, clock=loop.time, start=now, seed=cfg.seed)
-        generation = Generation(cfg, self.workflow, policy, coord, buffer, source, record, workload)
+        reductions = self.workflow.metric_reductions
+        accounting = Accounting(cfg, record, workload, source, reductions)
+        generation = Generation(cfg, self.workflow, policy, coord, buffer, source, accounting)
         return _Fit(
             cfg,
             self.workflow,
@@ -193,7 +194,7 @@ class UnifiedTrainer:
             source,
             evals,
             record,
-            workload,
+            accounting,
             generation,
             resume_from,
             recorded=initial,
@@ -216,7 +217,7 @@ class _Fit:
     source: TaskSource
     evals: EvalSchedule
     record: StepRecord
-    workload: WorkloadRecorder
+    accounting: Accounting
     generation: Generation
     resume_from: Path | None
     recorded: int  # the step of the last record (a batch's last version)
@@ -253,22 +254,19 @@ class _Fit:
         """Cancel what still runs (after the final checkpoint of an interrupted fit), record what
         ended since the last record, close the sinks, the workflow and the backend; the
         callbacks hear of the end."""
-        coord, loop = self.coordinator, asyncio.get_running_loop()
+        coord = self.coordinator
         if self.interrupted:
             if coord.version != self.recorded:  # stepped, then interrupted before its record
-                self._count_groups(coord.snapshot())
-                self.record.flush_extra(coord.version, loop.time())
+                self._record_since(coord.version, always=True)
                 self.recorded = coord.version
             await self._save_interrupted()
         self._cancel_outstanding()
-        # A run that ended early (an error, an interrupt): what ended since its last record, as
-        # one more record of that step (inside a batch of several versions, not the versions
+        # A run that ended early (an error, an interrupt): what ended since its last record goes
+        # in one more record of that step (inside a batch of several versions, not the versions
         # that a resume trains again).
-        if self._count_groups(coord.snapshot()):
-            self.record.flush_extra(self.recorded, loop.time())
+        self._record_since(self.recorded)
         self.record.close()
-        self.workload.meta["groups"] = coord.snapshot()
-        self.workload.write(self.config.run_path)
+        self.accounting.write_workload(self.config.run_path, coord.snapshot())
         try:
             try:
                 await asyncio.wait_for(self.workflow.close(), timeout=30)
@@ -295,39 +293,55 @@ class _Fit:
             generation.cancel()
 
     async def _train_step(self) -> int:
-        """Train one batch of `groups_per_step` groups: its `mini_batches` optimizer steps, the
-        first pass streaming groups into `forward_backward` as they arrive, then the kept groups
-        again for each further epoch; the number of groups trained, 0 when the data ran out.
-        What its helpers return goes into the step's record once, also when it stops early.
+        """Train one batch of `groups_per_step` groups in passes; the number of groups trained, 0
+        when the data ran out. What the passes return goes into the step's record once, also
+        when they stop early.
 
-        With recomputed old logprobs the whole batch is taken before its first optimizer step:
-        the later mini-batches stream into `recompute_logprobs` instead, and are trained after.
+        1. The first pass takes the groups as they arrive, `groups_per_update` at a time (a
+           mini-batch; verl's `ppo_mini_batch_size`), streaming each micro-batch into
+           `forward_backward` and stepping the optimizer after each mini-batch. With recomputed
+           old logprobs, the later mini-batches only have their old logprobs recomputed while
+           they arrive, under the weights that sampled none of them yet: no step before the
+           whole batch is in.
+        2. With recomputed old logprobs: a step on the first mini-batch, then each later one
+           trained and stepped.
+        3. Each further epoch (`epochs_per_batch`; verl's `ppo_epochs`): every mini-batch again,
+           trained and stepped.
         """
         tr = self.config.train
-        ahead = self.config.algorithm.loss.behaviour_logprobs == "recomputed"
-        kept: list[list[ReadyGroup]] = []
+        recomputed = self.config.algorithm.loss.behaviour_logprobs == "recomputed"
+        minis: list[list[ReadyGroup]] = []
         metrics = StepMetrics()
         try:
             for i in range(tr.mini_batches):
-                consume = self._recompute_logprobs if ahead and i else self._forward_backward
+                consume = self._recompute_logprobs if recomputed and i else self._forward_backward
                 mini, taken = await self._take(tr.groups_per_update, consume)
                 metrics.extend(taken)
                 if not mini:
                     break
-                kept.append(mini)
-                if not ahead:
+                minis.append(mini)
+                if not recomputed:
                     metrics.add(await self._optimizer_step(mini), OPTIM_STEP)
-            for epoch in range(tr.epochs_per_batch):
-                for i, mini in enumerate(kept):
-                    if epoch or (ahead and i):
-                        for start in range(0, len(mini), tr.micro_batch_groups):
-                            micro = mini[start : start + tr.micro_batch_groups]
-                            metrics.add(await self._forward_backward(micro), FORWARD_BACKWARD)
-                    if epoch or ahead:
-                        metrics.add(await self._optimizer_step(mini), OPTIM_STEP)
+            if recomputed:
+                for i, mini in enumerate(minis):
+                    if i:
+                        metrics.extend(await self._train_again(mini))
+                    metrics.add(await self._optimizer_step(mini), OPTIM_STEP)
+            for _ in range(1, tr.epochs_per_batch):
+                for mini in minis:
+                    metrics.extend(await self._train_again(mini))
+                    metrics.add(await self._optimizer_step(mini), OPTIM_STEP)
         finally:
             self.record.add_step(metrics)
-        return sum(len(mini) for mini in kept)
+        return sum(len(mini) for mini in minis)
+
+    async def _train_again(self, mini: list[ReadyGroup]) -> StepMetrics:
+        """Forward-backward over a mini-batch taken before, a micro-batch at a time."""
+        size = self.config.train.micro_batch_groups
+        metrics = StepMetrics()
+        for start in range(0, len(mini), size):
+            metrics.add(await self._forward_backward(mini[start : start + size]), FORWARD_BACKWARD)
+        return metrics
 
     async def _take(
         self, size: int, consume: Callable[[list[ReadyGroup]], Awaitable[dict[str, float]]]
@@ -350,7 +364,7 @@ class _Fit:
             if coord.too_stale(ready.min_version):
                 requeue = cfg.coordinator.stale_policy == "requeue"
                 coord.move(GroupState.BUFFERED, GroupState.DROPPED_STALE, requeued=requeue)
-                metrics.add({"tokens/wasted": ready.dispatch.tokens})
+                metrics.add({"tokens/wasted": ready.tokens})
                 if requeue:
                     self.source.requeue(ready.dispatch.task)
                 continue
@@ -383,12 +397,11 @@ class _Fit:
         version = coord.version + 1
         hook_s = sync_s = 0.0
         if coord.sync_due(version) or version >= self.config.train.total_steps:
-            self.workload.phase("sync")
-            hook_s, sync_s = await coord.update_policy(version)
-            self.workload.phase(None)
+            with self.accounting.training("sync"):
+                hook_s, sync_s = await coord.update_policy(version)
         else:
             coord.advance(version)
-        self.workload.step(version, loop.time(), optim_s, sync_s)
+        self.accounting.on_optimizer_step(version, loop.time(), optim_s, sync_s)
         sync = {"time/sync_s": sync_s, "time/sync_overhead_s": sync_s - hook_s}
         return {**metrics, "time/optim_step_s": optim_s, **sync}
 
@@ -397,11 +410,10 @@ class _Fit:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         groups = [g for ready in micro for g in ready.groups]
-        self.workload.phase("train")
-        metrics = await self.backend.forward_backward(groups, self.config.algorithm.loss)
+        with self.accounting.training("train"):
+            metrics = await self.backend.forward_backward(groups, self.config.algorithm.loss)
         seconds = loop.time() - t0
-        self.workload.phase(None)
-        self.workload.trained(sum(g.num_completion_tokens for g in groups), seconds)
+        self.accounting.on_forward_backward(sum(g.num_completion_tokens for g in groups), seconds)
         return {**metrics, "time/forward_backward_s": seconds}
 
     async def _recompute_logprobs(self, micro: list[ReadyGroup]) -> dict[str, float]:
@@ -448,17 +460,13 @@ class _Fit:
         """The data ran out after the last step's record was written: groups that ended since
         (filtered or failed), draws skipped since and an evaluation still running get one more
         record of that step, the final evaluation another; then the final checkpoint."""
-        cfg, coord, record = self.config, self.coordinator, self.record
+        cfg, coord = self.config, self.coordinator
         version, loop = coord.version, asyncio.get_running_loop()
         if coord.synced_version != version:  # with sync_every > 1: the final weights, for eval
             await coord.update_policy(version)
-        groups_ended = self._count_groups(coord.snapshot())
-        finished = await self.evals.collect(wait=True)
-        record.flush_evaluations(finished, version, loop.time())
-        if groups_ended and not finished:
-            record.flush_extra(version, loop.time())
+        self._record_since(version, await self.evals.collect(wait=True))
         if cfg.eval.at_end and self.evals.enabled and self.evals.evaluated_version != version:
-            record.flush_evaluations([await self.evals.evaluate()], version, loop.time())
+            self.record.flush_evaluations([await self.evals.evaluate()], version, loop.time())
         if cfg.checkpoint.at_end and self.checkpointed != version:
             await self._save_checkpoint()
 
@@ -466,6 +474,18 @@ class _Fit:
         """Cancel the groups still in flight or buffered; the tokens they generated are wasted."""
         if self.coordinator.outstanding:
             self.record.add({"tokens/wasted": self.buffer.cancel()})
+
+    def _record_since(
+        self, step: int, evaluations: list[dict[str, float]] | None = None, *, always: bool = False
+    ) -> None:
+        """What happened since the last record, as more records of `step`: one per finished
+        evaluation, else one if groups ended or draws were skipped meanwhile (or `always`)."""
+        now = asyncio.get_running_loop().time()
+        ended = self._count_groups(self.coordinator.snapshot())
+        if evaluations:
+            self.record.flush_evaluations(evaluations, step, now)
+        elif ended or always:
+            self.record.flush_extra(step, now)
 
     def _count_groups(self, counts: dict[str, int]) -> bool:
         """Record how many groups ended each way, and how many draws were skipped as solved,
@@ -504,25 +524,6 @@ class _Fit:
         keep_last = self.config.checkpoint.keep_last
         await checkpoint.save(self.config.run_path, self.backend, version, state, keep_last)
         self.checkpointed = version
-
-
-@contextlib.contextmanager
-def _collector_for_rollouts() -> Iterator[None]:
-    """The garbage collector set for thousands of rollouts in flight, the host's settings restored
-    after: what start-up made (modules, models, data) is frozen out of its passes, and it collects
-    the youngest objects once tracked objects grew by 500,000 (allocations less deallocations)
-    instead of 700. The objects of the rollouts in flight and of the groups waiting to be trained
-    (hundreds of thousands at 16k rollouts in flight) are then not scanned, promoted and scanned
-    again while they live, which paused the event loop for milliseconds each time and took a
-    tenth of the control plane's time at 50,000 (docs/benchmarks.md)."""
-    thresholds = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(500_000, *thresholds[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*thresholds)
-        gc.unfreeze()
 
 
 def _workload_meta(config: Config, virtual_clock: bool) -> dict[str, Any]:

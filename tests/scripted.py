@@ -4,12 +4,12 @@ policy was asked and produced (to compare with what the workflow or the gateway 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from rllm_async.backends.base import Completion, PolicyClient, SamplingParams, Tokenizer
 from rllm_async.backends.toy_tokenizers import CharTokenizer
-from rllm_async.rollout import RolloutContext
+from rllm_async.rollout import Pause, RolloutContext
 
 
 class ScriptedPolicy:
@@ -85,23 +85,19 @@ class RecordingPolicy:
         return out
 
 
-async def _open() -> None:
-    return None
-
-
 def context(
     policy: Any,
     *,
     deadline: float = 1e9,
-    wait_unpaused: Callable[[], Awaitable[None]] = _open,
+    pause: Pause | None = None,
     **sampling: Any,
 ) -> RolloutContext:
-    """A RolloutContext on `policy`, paused while `wait_unpaused` waits (by default never)."""
+    """A RolloutContext on `policy`, its calls waiting out `pause` (by default never on)."""
     return RolloutContext(
         policy,
         sampling=SamplingParams(**{"max_tokens": 128, **sampling}),
         pin=True,
-        wait_unpaused=wait_unpaused,
+        pause=pause,
         deadline=deadline,
         task_id="t",
     )

@@ -61,7 +61,7 @@ async def fill(
     """Add a whole group's rollouts (None: a failed one) and complete it; its new state."""
     for index, ep in enumerate(episodes):
         assert buffer.add(dispatch_id, index, ep) == (index == len(episodes) - 1)
-    return await buffer.complete(dispatch_id)
+    return (await buffer.complete(dispatch_id)).state
 
 
 def test_a_group_is_queued_once_every_rollout_ended_with_advantages_in_rollout_order() -> None:
@@ -72,7 +72,7 @@ def test_a_group_is_queued_once_every_rollout_ended_with_advantages_in_rollout_o
         assert not buffer.add(0, 0, episode(0.0))
         assert coord.counts.in_flight == 1 and len(buffer) == 0
         assert buffer.add(0, 1, episode(0.5)), "the group's last rollout is in"
-        assert await buffer.complete(0) is GroupState.BUFFERED
+        assert (await buffer.complete(0)).state is GroupState.BUFFERED
         assert coord.counts.buffered == 1 and len(buffer) == 1
         ready = await buffer.get()
         assert ready is not None and ready.dispatch.id == 0
@@ -134,12 +134,12 @@ def test_a_full_queue_makes_producers_wait_and_never_evicts() -> None:
             dispatch(coord, buffer, i)
             buffer.add(i, 0, episode(0.0))
             assert buffer.add(i, 1, episode(1.0))
-        assert await buffer.complete(0) is GroupState.BUFFERED
+        assert (await buffer.complete(0)).state is GroupState.BUFFERED
         blocked = asyncio.create_task(buffer.complete(1))
         await asyncio.sleep(5.0)
         assert not blocked.done() and len(buffer) == 1 and coord.counts.in_flight == 1
         first = await buffer.get()
-        assert await blocked is GroupState.BUFFERED
+        assert (await blocked).state is GroupState.BUFFERED
         second = await buffer.get()
         assert first is not None and second is not None
         assert (first.dispatch.id, second.dispatch.id) == (0, 1)
@@ -166,18 +166,33 @@ def test_outstanding_dispatches_and_cancellation() -> None:
         for i in range(4):
             dispatch(coord, buffer, i)
         await fill(buffer, 0, episode(0.0, tokens=3), episode(1.0, tokens=3))  # handed out below
-        await fill(buffer, 1, episode(0.0, tokens=3), episode(1.0, tokens=3))  # queued
+        await fill(buffer, 1, episode(0.0, tokens=3), episode(1.0, tokens=4))  # queued
         await fill(buffer, 2, episode(0.0, tokens=3), episode(0.0, tokens=3))  # filtered
+        buffer.add(3, 0, episode(1.0, tokens=5))  # one rollout of two in
         assert [d.id for d in buffer.outstanding()] == [0, 1, 3]
         handed = await buffer.get()
         assert handed is not None and handed.dispatch.id == 0
         coord.move(GroupState.BUFFERED, GroupState.CONSUMED)
         assert [d.id for d in buffer.outstanding()] == [1, 3]
-        buffer.outstanding()[0].tokens = 10
-        assert buffer.cancel() == 10
+        assert buffer.cancel() == 3 + 4 + 5, "the queued group's tokens and the partial one's"
         assert len(buffer) == 0 and coord.outstanding == 0
         assert coord.counts.cancelled == 2 and coord.counts.conserved()
         # What was cancelled stays outstanding: a checkpoint runs those tasks again.
         assert [d.task["id"] for d in buffer.outstanding()] == ["t1", "t3"]
+
+    run(main(), virtual=True)
+
+
+def test_cancel_counts_the_tokens_of_a_group_waiting_for_room() -> None:
+    async def main() -> None:
+        coord, buffer = setup(capacity=1)
+        for i in range(2):
+            dispatch(coord, buffer, i)
+        await fill(buffer, 0, episode(0.0, tokens=3), episode(1.0, tokens=3))
+        blocked = asyncio.create_task(fill(buffer, 1, episode(0.0, tokens=7), episode(1.0)))
+        await asyncio.sleep(1.0)
+        assert not blocked.done()
+        assert buffer.cancel() == 3 + 3 + 7 + 3
+        blocked.cancel()
 
     run(main(), virtual=True)

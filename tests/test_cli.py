@@ -1,10 +1,11 @@
 """`rllm-async train` at the terminal, as a process of its own: Ctrl-C writes a final checkpoint
 that a resumed run continues from, a second Ctrl-C exits at once, and the log shows that
-generation goes on while no step is recorded."""
+generation goes on while no step is recorded; and the collector settings the command runs under."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from typing import Any
 import yaml
 
 from rllm_async import checkpoint
+from rllm_async.cli import collector_for_rollouts
 from rllm_async.workflows import SingleTurnWorkflow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,3 +158,12 @@ def test_the_log_says_that_generation_goes_on_while_no_step_is_recorded(tmp_path
         proc.stderr,
     )
     assert "rllm-async: the run stopped: the last 4 groups all had equal rewards" in proc.stderr
+
+
+def test_the_collector_for_rollouts_freezes_start_up_and_collects_young_objects_later() -> None:
+    before = (gc.get_threshold(), gc.get_freeze_count())
+    with collector_for_rollouts():
+        young, *older = gc.get_threshold()
+        assert gc.get_freeze_count() > before[1], "what start-up made is frozen"
+        assert young > before[0][0] and tuple(older) == before[0][1:]
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before, "the process's settings are back"

@@ -110,35 +110,48 @@ def test_a_weight_sync_pauses_new_model_calls_until_it_ends() -> None:
         coord: SyncCoordinator
 
         async def hook(version: int) -> None:
-            seen.append(("hook", coord.paused))
+            seen.append(("hook", coord.pause.paused))
             await asyncio.sleep(5.0)
 
         coord = coordinator(hook=hook)
 
         async def model_call() -> float:
             await asyncio.sleep(1.0)
-            await coord.wait_unpaused()
+            await coord.pause.wait()
             return asyncio.get_running_loop().time()
 
         call = asyncio.create_task(model_call())
         hook_s, total_s = await coord.update_policy(1)
-        assert seen == [("hook", True)] and not coord.paused and coord.version == 1
+        assert seen == [("hook", True)] and not coord.pause.paused and coord.version == 1
         assert hook_s == pytest.approx(5.0) and total_s == pytest.approx(5.0)
         assert await call == pytest.approx(5.0), "the call waited for the sync to end"
 
     run(main(), virtual=True)
 
 
-def test_with_no_sync_a_model_call_never_suspends_on_any_loop() -> None:
-    coord = coordinator()
+def test_one_coordinator_pauses_model_calls_on_one_event_loop_after_another() -> None:
+    """A trainer fitted twice runs each fit on a fresh loop; its pause serves both."""
 
-    async def waiting() -> bool:
-        pending = coord.wait_unpaused()
-        await pending
-        return isinstance(pending, asyncio.Future) and pending.done()
+    async def hook(version: int) -> None:
+        await asyncio.sleep(5.0)
 
-    # The done future the first loop made serves the next one (a trainer fitted twice).
-    assert asyncio.run(waiting()) and asyncio.run(waiting())
+    coord = coordinator(hook=hook)
+
+    async def sync_with_a_call_waiting(version: int) -> float:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        async def model_call() -> float:
+            await asyncio.sleep(1.0)
+            await coord.pause.wait()
+            return loop.time() - start
+
+        call = asyncio.create_task(model_call())
+        await coord.update_policy(version)
+        return await call
+
+    assert run(sync_with_a_call_waiting(1), virtual=True) == pytest.approx(5.0)
+    assert run(sync_with_a_call_waiting(2), virtual=True) == pytest.approx(5.0)
 
 
 def test_a_sync_past_its_timeout_fails_and_generation_resumes() -> None:
@@ -149,7 +162,7 @@ def test_a_sync_past_its_timeout_fails_and_generation_resumes() -> None:
         coord = coordinator(hook=hang, sync_timeout_s=10.0)
         with pytest.raises(SyncTimeoutError, match=r"sync_timeout_s=10\.0"):
             await coord.update_policy(1)
-        assert not coord.paused and coord.version == 0
+        assert not coord.pause.paused and coord.version == 0
 
     run(main(), virtual=True)
 
@@ -171,7 +184,7 @@ def test_a_failing_sync_is_retried() -> None:
         never = coordinator(hook=flaky, sync_retries=0)
         with pytest.raises(ConnectionError):
             await never.update_policy(1)
-        assert not never.paused and never.version == 0
+        assert not never.pause.paused and never.version == 0
 
     run(main(), virtual=True)
 

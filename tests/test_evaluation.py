@@ -13,7 +13,7 @@ from rllm_async.callbacks import Callback
 from rllm_async.checkpoint import CheckpointState
 from rllm_async.config import Config
 from rllm_async.evaluation import EvalSchedule, Evaluator, evaluate_checkpoint
-from rllm_async.rollout import RolloutContext
+from rllm_async.rollout import RolloutContext, SyncPause
 from rllm_async.types import Episode
 from rllm_async.vclock import run
 from rllm_async.workflows.base import Workflow
@@ -40,10 +40,6 @@ class Heard(Callback):
         self.evals.append((step, metrics))
 
 
-async def _never_paused() -> None:
-    return None
-
-
 def _config(tmp_path: Path, **eval_keys: Any) -> Config:
     return make_config(tmp_path, train={"total_steps": 5}, eval={"every_steps": 1, **eval_keys})
 
@@ -52,7 +48,7 @@ def test_every_task_is_scored_once_on_one_pinned_version(tmp_path: Path) -> None
     policy, heard = FakePolicy(), Heard()
     policy.version = 2
     evaluator = Evaluator(_config(tmp_path), Judged(), tasks(5), [heard])
-    out = run(evaluator.evaluate(policy, _never_paused), virtual=True)
+    out = run(evaluator.evaluate(policy, SyncPause()), virtual=True)
     assert out["eval/policy_version"] == 2 and out["eval/n"] == 5 and out["eval/failed"] == 0
     assert out["eval/reward/mean"] == 0.4 and out["eval/accuracy"] == 0.4
     assert out["eval/episode/calls"] == 1.0
@@ -68,7 +64,7 @@ def test_failed_rollouts_are_counted_and_left_out_of_the_means(tmp_path: Path) -
         fault=lambda task, i, a: "raise" if task["id"] == "t1" else None,
     )
     evaluator = Evaluator(_config(tmp_path), failing, tasks(4), [])
-    out = run(evaluator.evaluate(FakePolicy(), _never_paused), virtual=True)
+    out = run(evaluator.evaluate(FakePolicy(), SyncPause()), virtual=True)
     assert out["eval/n"] == 3 and out["eval/failed"] == 1, "no retry in an evaluation"
     assert out["eval/reward/mean"] == 1.0
     assert "eval/accuracy" not in out, "no episode was judged"
@@ -83,7 +79,7 @@ def test_an_evaluation_beside_training_lets_rollouts_go_first_on_the_version_giv
     policy.version = 4  # training moved on
     evaluator = Evaluator(_config(tmp_path), Judged(), tasks(2), [])
     out = run(
-        evaluator.evaluate(policy, _never_paused, background=True, version=pinned), virtual=True
+        evaluator.evaluate(policy, SyncPause(), background=True, version=pinned), virtual=True
     )
     assert out["eval/policy_version"] == 3
     assert policy.priorities == [1, 1]
@@ -93,8 +89,8 @@ def test_an_evaluation_beside_training_lets_rollouts_go_first_on_the_version_giv
 def test_without_eval_tasks_nothing_is_scored_or_scheduled(tmp_path: Path) -> None:
     policy = FakePolicy()
     evaluator = Evaluator(_config(tmp_path), Judged(), [], [])
-    assert run(evaluator.evaluate(policy, _never_paused), virtual=True) == {}
-    schedule = EvalSchedule(evaluator, _config(tmp_path), policy, _never_paused)
+    assert run(evaluator.evaluate(policy, SyncPause()), virtual=True) == {}
+    schedule = EvalSchedule(evaluator, _config(tmp_path), policy, SyncPause())
     assert not schedule.enabled
 
     async def after_step() -> list[dict[str, float]]:
@@ -112,7 +108,7 @@ def test_evaluations_run_beside_the_steps_one_at_a_time_the_waiting_one_replaced
     the final one."""
     policy = FakePolicy(latency=lambda: 10.0)
     evaluator = Evaluator(_config(tmp_path), Judged(), tasks(2), [])
-    schedule = EvalSchedule(evaluator, _config(tmp_path), policy, _never_paused)
+    schedule = EvalSchedule(evaluator, _config(tmp_path), policy, SyncPause())
 
     async def steps() -> list[list[dict[str, float]]]:
         finished = []

@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from rllm_async.accounting import Accounting
 from rllm_async.algorithms.advantages import get_advantage_fn
 from rllm_async.buffer import TrajectoryGroupBuffer
 from rllm_async.config import Config
@@ -39,11 +40,10 @@ def _generate(
         source = TaskSource.from_config(config, tasks(n_tasks))
         loop = asyncio.get_running_loop()
         now = loop.time()
-        record = StepRecord(MetricsAggregator(), [], coord.snapshot(), now)
+        record = StepRecord(MetricsAggregator(), coord.snapshot(), now)
         workload = WorkloadRecorder({}, clock=loop.time, start=now)
-        generation = Generation(
-            config, workflow, FakePolicy(), coord, buffer, source, record, workload
-        )
+        accounting = Accounting(config, record, workload, source, workflow.metric_reductions)
+        generation = Generation(config, workflow, FakePolicy(), coord, buffer, source, accounting)
         consumed = []
         async with asyncio.TaskGroup() as scope:
             scope.create_task(generation.run())

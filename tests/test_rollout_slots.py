@@ -100,20 +100,21 @@ def test_a_cancelled_waiter_gives_its_slot_back() -> None:
     run(scenario(), virtual=True)
 
 
-def test_a_slot_is_taken_without_waiting_only_while_one_is_free() -> None:
+def test_a_freed_slot_goes_to_the_rollout_that_waited_for_it_not_to_a_newcomer() -> None:
     async def scenario() -> None:
         slots = RolloutSlots(2, None, _coordinator(max_staleness=None))
-        first = slots.acquire_nowait()
-        assert first == 0 and slots.acquire_nowait() == 0 and slots.running == 2
-        assert slots.acquire_nowait() is None, "the limit is reached"
+        first = await slots.acquire()
+        await slots.acquire()
+        assert slots.running == 2
         waiter = asyncio.create_task(slots.acquire())
         await asyncio.sleep(0)
+        assert not waiter.done(), "the limit is reached"
         slots.release(first)  # the freed slot goes to the waiter, before it resumes
-        assert slots.acquire_nowait() is None and slots.running == 2
-        granted = await waiter
-        assert granted == 0
-        slots.release(granted)
-        assert slots.acquire_nowait() == 0, "free again"
+        newcomer = asyncio.create_task(slots.acquire())
+        await asyncio.sleep(0)
+        assert waiter.done() and not newcomer.done() and slots.running == 2
+        slots.release(await waiter)
+        assert await newcomer == 0, "free again"
 
     run(scenario(), virtual=True)
 

@@ -17,7 +17,6 @@ from rllm_async.step_record import (
     StepMetrics,
     StepRecord,
     sinks,
-    solved_metrics,
 )
 from rllm_async.types import Episode, Step, Trajectory
 from tests.fakes import make_config
@@ -34,8 +33,8 @@ def _ready(*episodes: Episode) -> ReadyGroup:
     return ReadyGroup(Dispatch(0, {"id": "t"}, "t", 0), [], list(episodes), 0)
 
 
-def _record(records: list[dict[str, float]] | None = None, now: float = 0.0) -> StepRecord:
-    return StepRecord(MetricsAggregator(), [] if records is None else records, dict(COUNTS), now)
+def _record(now: float = 0.0) -> StepRecord:
+    return StepRecord(MetricsAggregator(), dict(COUNTS), now)
 
 
 def test_step_metrics_keep_the_declared_reductions_and_reduce_a_backends_own_as_asked() -> None:
@@ -107,7 +106,7 @@ def test_group_counts_are_the_changes_since_the_last_record() -> None:
 
 def test_step_metrics_are_rates_over_the_step_and_the_elapsed_time_of_the_fit() -> None:
     record = _record(now=10.0)
-    assert record.add_episode(_episode(1.0, tokens=4), {}) == 4
+    record.add_episode(_episode(1.0, tokens=4), {})
     record.add_generation({"tokens/generated": 2})
     record.add({"async/trainer_idle_s": 1.0})
     counts = {**COUNTS, "in_flight": 7, "buffered": 2, "version": 3}
@@ -137,8 +136,8 @@ def test_an_episodes_own_metrics_reduce_as_its_workflow_declares() -> None:
 
 
 def test_every_flush_is_kept_and_an_extra_record_carries_the_elapsed_time() -> None:
-    records: list[dict[str, float]] = []
-    record = _record(records, now=1.0)
+    record = _record(now=1.0)
+    records = record.records
     record.add({"tokens/wasted": 5})
     assert record.flush(2) == {"step": 2, "tokens/wasted": 5}
     record.add({"tokens/wasted": 1})
@@ -149,21 +148,10 @@ def test_every_flush_is_kept_and_an_extra_record_carries_the_elapsed_time() -> N
     ]
 
 
-def test_solved_metrics_only_once_every_rollout_is_judged() -> None:
-    dispatch = Dispatch(0, {"id": "t"}, "t", 0, judged=3, correct=3)
-    assert solved_metrics(dispatch, group_size=4) == {}
-    dispatch.judged = 4
-    assert solved_metrics(dispatch, 4) == {"groups/solve_none": 0.0, "groups/solve_all": 0.0}
-    dispatch.correct = 4
-    assert solved_metrics(dispatch, 4)["groups/solve_all"] == 1.0
-    dispatch.correct = 0
-    assert solved_metrics(dispatch, 4)["groups/solve_none"] == 1.0
-
-
 def test_the_record_of_a_config_writes_the_sinks_its_logging_asks(tmp_path: Path) -> None:
     config = make_config(tmp_path, logging={"progress_bar": False, "jsonl": True})
     assert [type(s).__name__ for s in sinks(config, 0)] == ["JsonlSink"]
-    record = StepRecord.from_config(config, [], dict(COUNTS), now=0.0, initial_step=0)
+    record = StepRecord.from_config(config, dict(COUNTS), now=0.0, initial_step=0)
     record.add({"tokens/wasted": 2})
     record.flush(1)
     record.close()
@@ -172,8 +160,8 @@ def test_the_record_of_a_config_writes_the_sinks_its_logging_asks(tmp_path: Path
 
 
 def test_evaluations_that_finish_late_are_one_more_record_of_the_step_each() -> None:
-    records: list[dict[str, float]] = []
-    record = _record(records, now=0.0)
+    record = _record(now=0.0)
+    records = record.records
     record.flush(3)
     record.flush_evaluations([{"eval/n": 2.0}, {"eval/n": 5.0}], 3, now=2.0)
     assert records[1:] == [

@@ -235,7 +235,7 @@ def test_sync_hook_that_raises_surfaces_and_generation_resumes(tmp_path) -> None
     )
     with pytest.raises(RuntimeError, match="injected sync failure at version 2"):
         fit(trainer)
-    assert not trainer.coordinator.paused
+    assert not trainer.coordinator.pause.paused
     assert trainer.coordinator.version == 1
 
 
@@ -272,7 +272,7 @@ def test_sync_hook_that_hangs_times_out_and_generation_resumes(tmp_path) -> None
 
     elapsed = run(timed(), virtual=True)
     assert 42.0 <= elapsed < 50.0
-    assert not trainer.coordinator.paused
+    assert not trainer.coordinator.pause.paused
 
 
 def test_stall_is_reported_with_counts(tmp_path) -> None:
@@ -403,14 +403,16 @@ def test_a_run_without_any_learning_signal_stops_with_a_clear_error(
     assert trainer.coordinator.counts.filtered >= 40
 
 
-def test_the_collector_is_set_for_rollouts_during_a_fit_and_restored_after(tmp_path) -> None:
-    seen: list[tuple[int, int]] = []
+def test_a_fit_leaves_the_processs_garbage_collector_as_it_found_it(tmp_path) -> None:
+    """Collector settings are process-wide: the command that owns the process sets them
+    (`rllm-async train`), a library call does not."""
+    seen: list[tuple[tuple[int, ...], int]] = []
 
     class Probe(Callback):
         def on_step_end(self, step, metrics):
-            seen.append((gc.get_threshold()[0], gc.get_freeze_count()))
+            seen.append((gc.get_threshold(), gc.get_freeze_count()))
 
-    before = gc.get_threshold()
+    before = (gc.get_threshold(), gc.get_freeze_count())
     cfg = make_config(tmp_path, train={"total_steps": 2})
     trainer = UnifiedTrainer(
         cfg,
@@ -420,7 +422,5 @@ def test_the_collector_is_set_for_rollouts_during_a_fit_and_restored_after(tmp_p
         train_tasks=tasks(8),
     )
     fit(trainer)
-    # Young objects collected once tracked objects grew by 500,000, start-up's objects frozen;
-    # then as before.
-    assert len(seen) == 2 and all(young == 500_000 and frozen > 0 for young, frozen in seen)
-    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+    assert seen == [before, before]
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before

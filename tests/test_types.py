@@ -9,15 +9,9 @@ from rllm_async.vclock import run
 from tests.fakes import FakePolicy
 
 
-async def _open() -> None:
-    return None
-
-
 def test_a_later_turn_never_changes_an_earlier_steps_messages() -> None:
     policy = FakePolicy()
-    ctx = RolloutContext(
-        policy, sampling=SamplingParams(), pin=True, wait_unpaused=_open, deadline=1e9, task_id="t"
-    )
+    ctx = RolloutContext(policy, sampling=SamplingParams(), pin=True, deadline=1e9, task_id="t")
 
     async def conversation() -> None:
         messages = [{"role": "user", "content": "hi"}]

@@ -53,7 +53,8 @@ class GatewayState(Protocol):
 
     def open_session(self, ttl_s: float | None = None, task: str | None = None) -> Session: ...
 
-    async def paused(self) -> bool: ...
+    @property
+    def paused(self) -> bool: ...
 
     def reward(
         self, session_id: str, reward: float, task: str | None, response_id: str | None = None

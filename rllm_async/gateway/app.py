@@ -70,7 +70,7 @@ async def _health(api: API, request: Request) -> Response:
         "status": "ok",
         "model": api.gw.model,
         "sessions": len(api.gw.sessions),
-        "paused": await api.gw.paused(),
+        "paused": api.gw.paused,
     }
     return JSONResponse(body)
 

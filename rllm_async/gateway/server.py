@@ -8,7 +8,7 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import uvicorn
@@ -18,14 +18,26 @@ from rllm_async.backends.base import PolicyClient, SamplingParams
 from rllm_async.gateway.app import build_app
 from rllm_async.gateway.errors import APIError
 from rllm_async.gateway.sessions import Session, SessionStore
-from rllm_async.rollout import RolloutContext
+from rllm_async.rollout import Pause, RolloutContext, SyncPause
 from rllm_async.rollout.reply_parser import ReplyParser
 
 log = logging.getLogger("rllm_async.gateway")
 
 
-async def _never_paused() -> None:
-    return None
+class _FollowedPause:
+    """The pause of the trainer the gateway follows now (none until one does): standalone
+    sessions' contexts hold this one, so that they follow a trainer that comes later."""
+
+    def __init__(self) -> None:
+        self.followed: Pause = SyncPause()
+
+    @property
+    def paused(self) -> bool:
+        return self.followed.paused
+
+    async def wait(self) -> None:
+        while self.followed.paused:  # the trainer followed may change meanwhile
+            await self.followed.wait()
 
 
 class _Server(uvicorn.Server):
@@ -109,33 +121,25 @@ class Gateway:
         self.url = ""
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
-        self._wait_unpaused: Callable[[], Awaitable[None]] = _never_paused
+        self._pause = _FollowedPause()
 
     # -- sessions -------------------------------------------------------------------------------
 
     def session(self, ctx: RolloutContext) -> Session:
         """A session recording into a rollout's `ctx`, sampling with its temperature and top_p;
         calls outside a session wait on `ctx`'s pause from now on."""
-        self.follow_pause(ctx.wait_unpaused)
+        self.follow_pause(ctx.pause)
         return self.sessions.open(ctx, locked=True)
 
-    def follow_pause(self, wait_unpaused: Callable[[], Awaitable[None]]) -> None:
-        """Calls outside a trainer's rollouts (no session, or one opened over HTTP) wait on
-        `wait_unpaused` (the trainer's weight-sync pause) from now on."""
-        self._wait_unpaused = wait_unpaused
+    def follow_pause(self, pause: Pause) -> None:
+        """Calls outside a trainer's rollouts (no session, or one opened over HTTP) wait out
+        `pause` (the trainer's weight-sync pause) from now on."""
+        self._pause.followed = pause
 
-    async def _wait_out_pause(self) -> None:
-        await self._wait_unpaused()
-
-    async def paused(self) -> bool:
+    @property
+    def paused(self) -> bool:
         """Whether calls outside a trainer's rollouts wait out a weight sync now (`/health`)."""
-        waiting = self._wait_unpaused()
-        if isinstance(waiting, asyncio.Future):  # the coordinator's own: never cancel it
-            return not waiting.done()
-        task = asyncio.ensure_future(waiting)
-        await asyncio.sleep(0)  # one step: a wait that is over ends in it
-        task.cancel()
-        return not task.done()
+        return self._pause.paused
 
     def open_session(self, ttl_s: float | None = None, task: str | None = None) -> Session:
         """A standalone session with its own context, closed after `ttl_s` (default the TTL);
@@ -145,7 +149,7 @@ class Gateway:
             self.policy,
             sampling=self.sampling,
             pin=False,
-            wait_unpaused=self._wait_out_pause,
+            pause=self._pause,
             deadline=loop.time() + (ttl_s or self.session_ttl_s),
             task_id="serve",
             parser=self.parser,
@@ -198,7 +202,7 @@ class Gateway:
             self.policy,
             sampling=self.sampling,
             pin=False,
-            wait_unpaused=self._wait_unpaused,
+            pause=self._pause,
             deadline=float("inf"),
             task_id="",
             parser=self.parser,

@@ -7,5 +7,14 @@ from rllm_async.rollout.context import (
     ContextLengthError,
     RolloutContext,
 )
+from rllm_async.rollout.pause import Pause, SyncPause
 
-__all__ = ["CallMeter", "ChatTemplateError", "ChatTurn", "ContextLengthError", "RolloutContext"]
+__all__ = [
+    "CallMeter",
+    "ChatTemplateError",
+    "ChatTurn",
+    "ContextLengthError",
+    "Pause",
+    "RolloutContext",
+    "SyncPause",
+]

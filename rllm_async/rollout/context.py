@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import math
 import numbers
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rllm_async.backends.base import Completion, PolicyClient, SamplingParams
 from rllm_async.rollout.chat import ChatHistory
-from rllm_async.rollout.deadline import Deadline
+from rllm_async.rollout.pause import Pause, SyncPause
 from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
 from rllm_async.types import Episode, Step, Termination, Trajectory
 
@@ -61,9 +62,9 @@ class RolloutContext:
     """The policy as one rollout sees it: every call is recorded as a Step of the calling actor.
 
     With `pin=True` the first call fixes the policy version for the whole episode; a `version`
-    acquired by the caller (evaluation) pins every call to it. Every call waits while the
-    coordinator has paused model calls for a weight sync (`wait_unpaused`); that wait is not
-    charged to the episode: it moves the deadline, and every `timeout()` scope with it.
+    acquired by the caller (evaluation) pins every call to it. Every call waits while `pause` is
+    on (the coordinator's, for a weight sync); that wait is not charged to the episode: it moves
+    the deadline, and every `timeout()` scope with it.
 
     `parser` reads the replies of chat calls (tool calls, reasoning) in the policy's model family;
     by default it is detected from the policy's tokenizer (`reply_parser`).
@@ -79,8 +80,8 @@ class RolloutContext:
         *,
         sampling: SamplingParams,
         pin: bool,
-        wait_unpaused: Callable[[], Awaitable[None]],
         deadline: float,
+        pause: Pause | None = None,
         task_id: str,
         rollout_index: int = 0,
         attempt: int = 0,
@@ -95,13 +96,13 @@ class RolloutContext:
         self.parser = parser or reply_parser(policy.tokenizer)
         self.sampling = sampling
         self._deadline = deadline
-        # The `timeout()` scopes made, by their margins (one left only keeps its time when moved).
-        self._scopes: dict[Deadline, float] = {}
+        # The `timeout()` scopes entered and not yet left, by their margins.
+        self._scopes: dict[asyncio.Timeout, float] = {}
         self.task_id = task_id
         self.rollout_index = rollout_index
         self.attempt = attempt
         self._pin = pin or version is not None
-        self._wait_unpaused = wait_unpaused
+        self.pause: Pause = pause if pause is not None else SyncPause()
         self._version = version
         self._owns_version = False
         self._trajectories: dict[str, Trajectory] = {}
@@ -113,12 +114,16 @@ class RolloutContext:
         """When this episode must end, on the event loop's clock; later by every sync it waited for."""
         return self._deadline
 
-    def timeout(self, margin_s: float = 0.0) -> Deadline:
+    @contextlib.asynccontextmanager
+    async def timeout(self, margin_s: float = 0.0) -> AsyncIterator[asyncio.Timeout]:
         """A scope that raises TimeoutError `margin_s` before the deadline, and moves with it:
-        `with ctx.timeout(margin_s):` (or `async with`, as with `asyncio.timeout`)."""
-        scope = Deadline(self._deadline - margin_s)
-        self._scopes[scope] = margin_s
-        return scope
+        `async with ctx.timeout(margin_s):`."""
+        async with asyncio.timeout_at(self._deadline - margin_s) as scope:
+            self._scopes[scope] = margin_s
+            try:
+                yield scope
+            finally:
+                del self._scopes[scope]
 
     @property
     def time_left(self) -> float:
@@ -128,11 +133,6 @@ class RolloutContext:
     @property
     def pinned_version(self) -> int | None:
         return self._version
-
-    @property
-    def wait_unpaused(self) -> Callable[[], Awaitable[None]]:
-        """What every model call of this context waits on: the coordinator's weight-sync pause."""
-        return self._wait_unpaused
 
     @property
     def num_completion_tokens(self) -> int:
@@ -181,9 +181,8 @@ class RolloutContext:
         if meter is not None:
             meter.call_began()
         try:
-            waiting = self._wait_unpaused()
-            if not (isinstance(waiting, asyncio.Future) and waiting.done()):
-                await self._wait_out_sync(waiting)
+            if self.pause.paused:
+                await self._wait_out_sync()
             if self._pin and self._version is None:
                 self._version = self.policy.acquire()
                 self._owns_version = True
@@ -273,14 +272,13 @@ class RolloutContext:
         """The opening of a forced tool call in the policy's syntax: `name`'s call, or any call."""
         return self.parser.tool.forced_prefix(name)
 
-    async def _wait_out_sync(self, waiting: Awaitable[None]) -> None:
-        """Wait while a weight sync pauses model calls, with the deadline stopped meanwhile (a wait
-        that is already over, a done future when no sync runs, is skipped by the caller)."""
+    async def _wait_out_sync(self) -> None:
+        """Wait while a weight sync pauses model calls, with the deadline stopped meanwhile."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         self._reschedule(stopped=True)
         try:
-            await waiting
+            await self.pause.wait()
         finally:
             self._deadline += loop.time() - start
             self._reschedule(stopped=False)

@@ -60,7 +60,7 @@ class EnvWorkflow(Workflow):
             observation = await maybe_await(env.reset(task))
             messages = opening_messages(observation, self.system_prompt)
             try:
-                with ctx.timeout(self.deadline_grace_s):  # a TIMEOUT, scored and trained
+                async with ctx.timeout(self.deadline_grace_s):  # a TIMEOUT, scored and trained
                     for _ in range(self.max_turns):
                         reply = await ctx.chat(messages)
                         observation, reward, done = await maybe_await(env.step(reply["content"]))

@@ -104,7 +104,7 @@ class MultiTurnWorkflow(Workflow):
         try:
             # Stop `deadline_grace_s` before the episode's deadline, so that the conversation is
             # scored and trained as a TIMEOUT rather than cancelled by the trainer.
-            with ctx.timeout(self.deadline_grace_s):
+            async with ctx.timeout(self.deadline_grace_s):
                 termination = await self._converse(messages, ctx, stats)
         except TimeoutError:
             termination = Termination.TIMEOUT

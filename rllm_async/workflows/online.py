@@ -164,7 +164,7 @@ class OnlineWorkflow(Workflow):
                 "workflow with group_size=rollout.group_size"
             )
         # The clients' calls wait out the trainer's weight syncs, as rollouts do.
-        self.gateway.follow_pause(ctx.wait_unpaused)
+        self.gateway.follow_pause(ctx.pause)
         key = task["id"]
         claim = self._claims.get(key)
         if claim is None or ctx.rollout_index in claim.delivered:  # a new dispatch of the task

@@ -182,7 +182,6 @@ def test_reasoning_is_a_thinking_block_and_left_out_when_sent_back() -> None:
                 policy,
                 sampling=SamplingParams(max_tokens=64),
                 pin=True,
-                wait_unpaused=_open,
                 deadline=1e9,
                 task_id="t",
                 parser=reply_parser(policy.tok, reasoning_parser="think"),
@@ -207,10 +206,6 @@ def test_reasoning_is_a_thinking_block_and_left_out_when_sent_back() -> None:
             assert deltas == ["thinking_delta", "text_delta"]
 
     asyncio.run(go())
-
-
-async def _open() -> None:
-    return None
 
 
 def test_stop_reasons_for_stop_sequences_and_max_tokens() -> None:

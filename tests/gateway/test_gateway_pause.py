@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from rllm_async.backends.base import Completion, SamplingParams
+from rllm_async.rollout import SyncPause
 from tests.gateway.test_gateway import KEY, open_session, openai, serving
 from tests.scripted import ScriptedPolicy, context
 
@@ -17,8 +18,9 @@ def test_calls_during_a_pause_queue_and_are_served_by_the_new_weights() -> None:
     policy = ScriptedPolicy(lambda prompt: "ok")
 
     async def go() -> None:
-        unpaused = asyncio.Event()  # the coordinator's pause, held for a weight sync
-        ctx = context(policy, max_tokens=16, wait_unpaused=unpaused.wait)
+        pause = SyncPause()  # the coordinator's, on for a weight sync
+        pause.pause()
+        ctx = context(policy, max_tokens=16, pause=pause)
         async with serving(policy) as gateway:
             session = gateway.session(ctx)
             client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=session.key)
@@ -34,7 +36,7 @@ def test_calls_during_a_pause_queue_and_are_served_by_the_new_weights() -> None:
             await asyncio.sleep(0.2)
             assert not any(c.done() for c in calls) and policy.calls == []  # queued, none served
             policy.version = 1  # the sync finishes, then the pause lifts
-            unpaused.set()
+            pause.resume()
             replies = await asyncio.wait_for(asyncio.gather(*calls), 30)
         assert [r.system_fingerprint for r in replies] == ["policy-v1"] * 8
         steps = ctx.trajectory().steps
@@ -47,8 +49,9 @@ def test_calls_outside_a_session_wait_for_the_sessions_pause() -> None:
     policy = ScriptedPolicy(lambda prompt: "ok")
 
     async def go() -> None:
-        unpaused = asyncio.Event()
-        ctx = context(policy, max_tokens=16, wait_unpaused=unpaused.wait)
+        pause = SyncPause()
+        pause.pause()
+        ctx = context(policy, max_tokens=16, pause=pause)
         async with serving(policy) as gateway:
             client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=KEY)
             messages: Any = [{"role": "user", "content": "q"}]
@@ -66,14 +69,15 @@ def test_calls_outside_a_session_wait_for_the_sessions_pause() -> None:
             await asyncio.sleep(0.3)
             assert not call.done() and not text.done() and len(policy.calls) == 1
             policy.version = 1
-            unpaused.set()
+            pause.resume()
             r, t = await asyncio.wait_for(asyncio.gather(call, text), 30)
             assert not await health_paused(gateway)
-            # The coordinator's own wait: a future, done when no sync runs (never cancelled).
-            sync: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            gateway.follow_pause(lambda: sync)
-            assert await health_paused(gateway) and not sync.cancelled()
-            sync.set_result(None)
+            # Another trainer's pause, followed from now on.
+            other = SyncPause()
+            other.pause()
+            gateway.follow_pause(other)
+            assert await health_paused(gateway)
+            other.resume()
             assert not await health_paused(gateway)
         assert r.system_fingerprint == "policy-v1" and t.choices[0].text == "ok"
         assert ctx.trajectory().steps == []  # served, not recorded in the session
@@ -85,20 +89,21 @@ def test_sessions_opened_over_http_wait_for_the_pause_they_follow() -> None:
     policy = ScriptedPolicy(lambda prompt: "ok")
 
     async def go() -> None:
-        unpaused = asyncio.Event()  # an online trainer's weight sync
+        pause = SyncPause()  # an online trainer's weight sync
+        pause.pause()
         async with serving(policy) as gateway:
             opened = await open_session(gateway)
             client = openai.AsyncOpenAI(base_url=opened[1], api_key=KEY)
             messages: Any = [{"role": "user", "content": "q"}]
             await client.chat.completions.create(model="policy", messages=messages)
-            gateway.follow_pause(unpaused.wait)
+            gateway.follow_pause(pause)
             call = asyncio.create_task(
                 client.chat.completions.create(model="policy", messages=messages)
             )
             await asyncio.sleep(0.3)
             assert not call.done() and len(policy.calls) == 1
             policy.version = 1
-            unpaused.set()
+            pause.resume()
             r = await asyncio.wait_for(call, 30)
             steps = gateway.sessions.get(opened[0]).ctx.trajectory().steps
         assert r.system_fingerprint == "policy-v1"
@@ -130,8 +135,9 @@ def test_a_client_that_times_out_and_retries_gets_one_recorded_step_per_reply() 
     policy = _SlowFirst(first_s=2.0)
 
     async def go() -> None:
-        unpaused = asyncio.Event()
-        ctx = context(policy, max_tokens=16, wait_unpaused=unpaused.wait)
+        pause = SyncPause()
+        pause.pause()
+        ctx = context(policy, max_tokens=16, pause=pause)
         sent: list[httpx.Request] = []
 
         async def count(request: httpx.Request) -> None:
@@ -157,7 +163,7 @@ def test_a_client_that_times_out_and_retries_gets_one_recorded_step_per_reply() 
                     await asyncio.sleep(0.05)
             assert policy.started == 0
             policy.version = 1
-            unpaused.set()
+            pause.resume()
             # The first attempt served generates for 2 s, past the timeout; a retry is answered.
             r = await asyncio.wait_for(call, 30)
             attempts = len(sent)

@@ -153,14 +153,11 @@ def test_reasoning_is_an_output_item_and_ignored_when_sent_back() -> None:
     policy = ScriptedPolicy(lambda p: "<think>6 times 7</think>42")
 
     async def go() -> None:
-        unpaused = asyncio.Event()
-        unpaused.set()
         async with serving(policy) as gateway:
             ctx = RolloutContext(
                 policy,
                 sampling=SamplingParams(max_tokens=64),
                 pin=True,
-                wait_unpaused=unpaused.wait,
                 deadline=1e9,
                 task_id="t",
                 parser=reply_parser(policy.tok, reasoning_parser="think"),

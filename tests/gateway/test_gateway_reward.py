@@ -117,10 +117,6 @@ def test_a_reward_past_the_sessions_ttl_is_late() -> None:
     assert len(expired) == 1 and expired[0].reward is None
 
 
-async def unpaused() -> None:
-    return None
-
-
 def test_a_trainers_gateway_takes_no_rewards_over_http() -> None:
     async def go() -> None:
         policy = ScriptedPolicy(lambda prompt: "ok")
@@ -131,7 +127,6 @@ def test_a_trainers_gateway_takes_no_rewards_over_http() -> None:
                 policy,
                 sampling=SamplingParams(max_tokens=8),
                 pin=False,
-                wait_unpaused=unpaused,
                 deadline=1e9,
                 task_id="t",
             )

@@ -321,10 +321,6 @@ class FamilyPolicy:
         return Completion(ids, [-0.5] * len(ids), [0] * len(ids))
 
 
-async def _open() -> None:
-    return None
-
-
 @pytest.mark.parametrize("family", FAMILIES, ids=IDS)
 def test_a_tool_call_round_trips_token_in_token_out(family: Family) -> None:
     tok = family_tokenizer(family)
@@ -334,7 +330,6 @@ def test_a_tool_call_round_trips_token_in_token_out(family: Family) -> None:
         policy,
         sampling=SamplingParams(max_tokens=256),
         pin=True,
-        wait_unpaused=_open,
         deadline=1e9,
         task_id="t",
     )

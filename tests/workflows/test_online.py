@@ -44,16 +44,11 @@ def test_groups_fill_by_key_in_completion_order_and_incomplete_ones_expire() -> 
     asyncio.run(go())
 
 
-async def no_pause() -> None:
-    return None
-
-
 def context(index: int) -> RolloutContext:
     return RolloutContext(
         ScriptedPolicy(lambda prompt: "ok"),
         sampling=SamplingParams(),
         pin=False,
-        wait_unpaused=no_pause,
         deadline=1e9,
         task_id="slot",
         rollout_index=index,

@@ -30,16 +30,11 @@ from rllm_async.types import TrajectoryGroup
 from rllm_async.workflows.sim import SimWorkflow, SimWorkflowError, synthetic_tasks
 
 
-async def _unpaused() -> None:
-    return None
-
-
 def _ctx(policy: SimPolicy, task_id: str, index: int = 0, attempt: int = 0) -> RolloutContext:
     return RolloutContext(
         policy,
         sampling=SamplingParams(),
         pin=True,
-        wait_unpaused=_unpaused,
         deadline=math.inf,
         task_id=task_id,
         rollout_index=index,

@@ -122,10 +122,6 @@ def test_requests_spread_over_servers(servers: list[VLLMServer], tiny_qwen: Path
     assert asyncio.run(go()) == {s.url: 8 for s in servers}
 
 
-async def _unpaused() -> None:
-    return None
-
-
 async def settled_tokens(url: str) -> float:
     """The server's count of generated tokens once nothing runs and it stays put for 0.5 s."""
     async with asyncio.timeout(15):
@@ -159,7 +155,6 @@ def test_an_episode_deadline_cuts_a_long_completion_and_the_server_drops_it(
                 policy,
                 sampling=params,
                 pin=False,
-                wait_unpaused=_unpaused,
                 deadline=loop.time() + 0.5,
                 task_id="t",
             )

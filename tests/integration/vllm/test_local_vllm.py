@@ -242,10 +242,6 @@ def policy(servers: list[VLLMServer], tiny_qwen: Path) -> VLLMPolicy:
     return VLLMPolicy([servers[0].url], tokenizer, max_context_tokens=1024)
 
 
-async def _unpaused() -> None:
-    return None
-
-
 def test_a_multi_turn_chat_on_vllm_extends_its_exact_tokens(policy: VLLMPolicy) -> None:
     import asyncio
 
@@ -255,7 +251,6 @@ def test_a_multi_turn_chat_on_vllm_extends_its_exact_tokens(policy: VLLMPolicy) 
                 policy,
                 sampling=SamplingParams(max_tokens=12, temperature=1.0),
                 pin=False,
-                wait_unpaused=_unpaused,
                 deadline=float("inf"),
                 task_id="t",
             )

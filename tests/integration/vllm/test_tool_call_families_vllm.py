@@ -16,10 +16,6 @@ from tests.rollout.test_tool_call_families import CALC, HERMES_CALL, chatml
 from tests.scripted import RecordingPolicy
 
 
-async def _unpaused() -> None:
-    return None
-
-
 def test_tool_turns_on_vllm_extend_the_sampled_tokens(
     servers: list[VLLMServer], tiny_qwen: Path
 ) -> None:
@@ -34,7 +30,6 @@ def test_tool_turns_on_vllm_extend_the_sampled_tokens(
         policy,
         sampling=SamplingParams(max_tokens=16, temperature=1.0),
         pin=False,
-        wait_unpaused=_unpaused,
         deadline=float("inf"),
         task_id="t",
     )

@@ -176,15 +176,11 @@ def test_staleness_counts_the_tokens_a_sync_left_on_the_old_weights(
     staleness the trainer reports for their group is that of the oldest token."""
     prompt = prompt_of(policy)
 
-    async def unpaused() -> None:
-        return None
-
     def context() -> RolloutContext:
         return RolloutContext(
             policy,
             sampling=LONG,
             pin=False,
-            wait_unpaused=unpaused,
             deadline=float("inf"),
             task_id="t",
         )
