@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import math
 import numbers
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rllm_async.backends.base import Completion, PolicyClient, SamplingParams
 from rllm_async.rollout.chat import ChatHistory
+from rllm_async.rollout.deadline import Deadline
 from rllm_async.rollout.pause import Pause, SyncPause
 from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
 from rllm_async.types import Episode, Step, Termination, Trajectory
@@ -96,8 +95,8 @@ class RolloutContext:
         self.parser = parser or reply_parser(policy.tokenizer)
         self.sampling = sampling
         self._deadline = deadline
-        # The `timeout()` scopes entered and not yet left, by their margins.
-        self._scopes: dict[asyncio.Timeout, float] = {}
+        # The `timeout()` scopes made, by their margins (one left only keeps its time when moved).
+        self._scopes: dict[Deadline, float] = {}
         self.task_id = task_id
         self.rollout_index = rollout_index
         self.attempt = attempt
@@ -114,16 +113,12 @@ class RolloutContext:
         """When this episode must end, on the event loop's clock; later by every sync it waited for."""
         return self._deadline
 
-    @contextlib.asynccontextmanager
-    async def timeout(self, margin_s: float = 0.0) -> AsyncIterator[asyncio.Timeout]:
+    def timeout(self, margin_s: float = 0.0) -> Deadline:
         """A scope that raises TimeoutError `margin_s` before the deadline, and moves with it:
-        `async with ctx.timeout(margin_s):`."""
-        async with asyncio.timeout_at(self._deadline - margin_s) as scope:
-            self._scopes[scope] = margin_s
-            try:
-                yield scope
-            finally:
-                del self._scopes[scope]
+        `with ctx.timeout(margin_s):` (or `async with`, as with `asyncio.timeout`)."""
+        scope = Deadline(self._deadline - margin_s)
+        self._scopes[scope] = margin_s
+        return scope
 
     @property
     def time_left(self) -> float:
