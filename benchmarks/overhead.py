@@ -75,13 +75,19 @@ def throughput_config(tmp: str, steps: int, in_flight: int) -> Config:
     )
 
 
-def throughput(steps: int, in_flight: int) -> tuple[float, float, list[float]]:
+def collector(tuned: bool) -> contextlib.AbstractContextManager[None]:
+    """The collector settings of `rllm-async train` when `tuned`, else Python's defaults."""
+    return collector_for_rollouts() if tuned else contextlib.nullcontext()
+
+
+def throughput(steps: int, in_flight: int, tuned: bool) -> tuple[float, float, list[float]]:
     """Episodes per wall second and per CPU second of this process through `throughput_config`."""
     with tempfile.TemporaryDirectory() as tmp:
         trainer = UnifiedTrainer(throughput_config(tmp, steps, in_flight))
         t0, cpu0 = time.perf_counter(), time.process_time()
         # The real clock: every microsecond of control-plane work is counted.
-        records = run(trainer.fit(), virtual=False)
+        with collector(tuned):  # set once the trainer is built, as the command sets it
+            records = run(trainer.fit(), virtual=False)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     episodes = steps * (in_flight // 2)
     overheads = [r["time/sync_overhead_s"] * 1e3 for r in records]
@@ -105,7 +111,7 @@ async def _lag_under_load(trainer: UnifiedTrainer, seconds: float) -> tuple[list
     return lags, peak
 
 
-def loop_lag(seconds: float, in_flight: int) -> tuple[list[float], int]:
+def loop_lag(seconds: float, in_flight: int, tuned: bool) -> tuple[list[float], int]:
     """Timer lateness on the real clock with `in_flight` rollouts decoding in the PS simulator at
     400,000 tokens/s in all, so that about 4,000 end each second whatever `in_flight` is."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,7 +134,8 @@ def loop_lag(seconds: float, in_flight: int) -> tuple[list[float], int]:
             ],
         )
         trainer = UnifiedTrainer(cfg)
-        return run(_lag_under_load(trainer, seconds), virtual=False)
+        with collector(tuned):
+            return run(_lag_under_load(trainer, seconds), virtual=False)
 
 
 def main() -> None:
@@ -142,11 +149,9 @@ def main() -> None:
         parser.error(f"--in-flight must be a positive multiple of {8 * GROUP_SIZE}")
     tuned = args.collector == "rollouts"
     load_throughput = os.getloadavg()[0]
-    with collector_for_rollouts() if tuned else contextlib.nullcontext():
-        eps, eps_cpu, overheads = throughput(args.steps, args.in_flight)
+    eps, eps_cpu, overheads = throughput(args.steps, args.in_flight, tuned)
     load_lag = os.getloadavg()[0]
-    with collector_for_rollouts() if tuned else contextlib.nullcontext():
-        lags, peak = loop_lag(args.lag_seconds, args.in_flight)
+    lags, peak = loop_lag(args.lag_seconds, args.in_flight, tuned)
     lags.sort()
     print(
         json.dumps(
