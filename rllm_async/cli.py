@@ -15,12 +15,12 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from rllm_async.backends.base import BackendError
 from rllm_async.config import ConfigError, load_config
 from rllm_async.coordinator import StallError, SyncTimeoutError
 from rllm_async.data import DataError
 from rllm_async.health import FailureRateError, NoSignalError
 from rllm_async.metrics import ProgressBarSink
+from rllm_async.protocols import BackendError
 
 if TYPE_CHECKING:
     from rllm_async.trainer import UnifiedTrainer

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from rllm_async.backends.base import PolicyClient, SamplingParams
 from rllm_async.buffer import Dispatch, TrajectoryGroupBuffer
 from rllm_async.config import Config
 from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.data import TaskSource
 from rllm_async.health import FailureRateBreaker, NoSignalGuard
+from rllm_async.protocols import PolicyClient, SamplingParams
 from rllm_async.rollout_slots import RolloutSlots
 from rllm_async.runner import configured_parser, run_rollout
 from rllm_async.step_record import StepRecord, solved_metrics

@@ -21,7 +21,6 @@ from typing import Any, get_args
 from rllm_async import checkpoint
 from rllm_async.algorithms.advantages import get_advantage_fn
 from rllm_async.backends import get_backend_factory
-from rllm_async.backends.base import Backend, PolicyClient, RecomputesLogprobs
 from rllm_async.buffer import ReadyGroup, TrajectoryGroupBuffer
 from rllm_async.callbacks import Callback
 from rllm_async.checkpoint import CheckpointState
@@ -31,6 +30,7 @@ from rllm_async.data import TaskSource, load_tasks
 from rllm_async.evaluation import EvalSchedule, Evaluator
 from rllm_async.generation import Generation
 from rllm_async.metrics import Reduce
+from rllm_async.protocols import Backend, PolicyClient, RecomputesLogprobs
 from rllm_async.runner import build_workflow
 from rllm_async.step_record import (
     EVALUATION,

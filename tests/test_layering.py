@@ -104,7 +104,7 @@ def test_the_core_never_imports_a_concrete_backend() -> None:
 
 
 def test_rollout_never_imports_workflows_or_gateway_only_what_lies_below() -> None:
-    below = ("rollout", "backends.base", "types", "config")
+    below = ("rollout", "protocols", "types", "config")
     assert {(s, t) for s, t in _imports_of("rollout") if not _in(t, *below)} == set()
 
 
@@ -112,8 +112,14 @@ def test_gateway_and_backends_never_import_workflows() -> None:
     assert {(s, t) for s, t in _imports_of("gateway", "backends") if _in(t, "workflows")} == set()
 
 
+def test_the_engines_never_import_a_backend() -> None:
+    """The backends import the engines (the vLLM engine is shared by the local and verl
+    learners); what the engines share with the backends lies below both, in `protocols`."""
+    assert {(s, t) for s, t in _imports_of("engines") if _in(t, "backends")} == set()
+
+
 def test_the_gateway_imports_only_the_rollout_layer_and_below() -> None:
-    below = ("gateway", "rollout", "backends.base", "types", "config")
+    below = ("gateway", "rollout", "protocols", "types", "config")
     assert {(s, t) for s, t in _imports_of("gateway") if not _in(t, *below)} == set()
 
 

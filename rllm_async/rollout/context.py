@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rllm_async.backends.base import Completion, PolicyClient, SamplingParams
+from rllm_async.protocols import Completion, PolicyClient, SamplingParams
 from rllm_async.rollout.chat import ChatHistory
 from rllm_async.rollout.deadline import Deadline
 from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
