@@ -94,7 +94,7 @@ def _ctrl_c_stops(trainer: UnifiedTrainer) -> Iterator[None]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from rllm_async.simulate import simulate
+    from rllm_async.plan.simulate import simulate
 
     result = simulate(
         args.workload,
@@ -125,7 +125,7 @@ def _devices_pair(text: str) -> tuple[int, int]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from rllm_async.plan import plan, render
+    from rllm_async.plan.replay import plan, render
 
     grid = {
         "depths": [int(x) for x in args.depths.split(",")],

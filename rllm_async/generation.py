@@ -12,12 +12,12 @@ from rllm_async.config import Config
 from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.data import TaskSource
 from rllm_async.health import FailureRateBreaker, NoSignalGuard
+from rllm_async.plan.record import KeptGroup, WorkloadRecorder
 from rllm_async.protocols import PolicyClient, SamplingParams
 from rllm_async.rollout_slots import RolloutSlots
 from rllm_async.runner import configured_parser, run_rollout
 from rllm_async.step_record import StepRecord, solved_metrics
 from rllm_async.workflows.base import Workflow
-from rllm_async.workload_record import KeptGroup, WorkloadRecorder
 
 
 class Generation:

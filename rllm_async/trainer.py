@@ -30,6 +30,7 @@ from rllm_async.data import TaskSource, load_tasks
 from rllm_async.evaluation import EvalSchedule, Evaluator
 from rllm_async.generation import Generation
 from rllm_async.metrics import Reduce
+from rllm_async.plan.record import WorkloadRecorder
 from rllm_async.protocols import Backend, PolicyClient, RecomputesLogprobs
 from rllm_async.runner import build_workflow
 from rllm_async.step_record import (
@@ -41,7 +42,6 @@ from rllm_async.step_record import (
     StepRecord,
 )
 from rllm_async.workflows.base import Workflow
-from rllm_async.workload_record import WorkloadRecorder
 
 log = logging.getLogger(__name__)
 

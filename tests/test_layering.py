@@ -27,9 +27,9 @@ CONCRETE = ("backends.local", "backends.tinker", "backends.verl", "backends.sim"
 # Core -> concrete imports that remain, each with its reason:
 KNOWN_CORE_TO_CONCRETE = {
     # `rllm-async simulate` compares async with sync runs on the sim backend itself.
-    ("rllm_async.simulate", "rllm_async.backends.sim"),
+    ("rllm_async.plan.simulate", "rllm_async.backends.sim"),
     # `rllm-async plan` replays a recorded run's workload on the sim backend.
-    ("rllm_async.plan", "rllm_async.backends.sim"),
+    ("rllm_async.plan.replay", "rllm_async.backends.sim"),
 }
 
 
@@ -101,6 +101,30 @@ def test_no_import_cycles_between_modules() -> None:
 def test_the_core_never_imports_a_concrete_backend() -> None:
     core = {(s, t) for s, targets in GRAPH.items() if not _in(s, *CONCRETE) for t in targets}
     assert {(s, t) for s, t in core if _in(t, *CONCRETE)} == KNOWN_CORE_TO_CONCRETE
+
+
+def _reached_from(module: str) -> set[str]:
+    """Every module that importing `module` can import, directly or not (any import counts, and
+    importing a module runs its packages' `__init__` first)."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        parents = {name.rsplit(".", i)[0] for i in range(1, name.count("."))}
+        for target in (GRAPH[name] | parents) - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def test_the_trainer_reaches_the_planner_only_through_its_recorder() -> None:
+    """The trainer records its workload with `plan.record`; the fit, the replay and the
+    simulator, which drive the trainer, are never imported with it."""
+    planner = {m for m in GRAPH if _in(m, "plan")}
+    assert {"rllm_async.plan.record", "rllm_async.plan.fit", "rllm_async.plan.replay"} <= planner
+    reached = _reached_from("rllm_async.trainer") & planner
+    assert reached == {"rllm_async.plan", "rllm_async.plan.record"}
+    assert GRAPH["rllm_async.plan"] == set(), "the planner's __init__ imports nothing"
 
 
 def test_rollout_never_imports_workflows_or_gateway_only_what_lies_below() -> None:
