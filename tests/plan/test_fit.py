@@ -4,13 +4,16 @@ measured and assumed, and how a fitted workload scales."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from rllm_async.backends.sim import SimBackend, workload_config
+from rllm_async.backends.sim import SimBackend, ps_rate, workload_config
+from rllm_async.config import ConfigError
 from rllm_async.plan.fit import engine_slots, fit_workload, shared_device
-from rllm_async.plan.record import Workload, read_workload
+from rllm_async.plan.record import OFFSETS, RolloutRow, StepRow, Workload, read_workload
 from rllm_async.plan.replay import recorded_candidate, replay
 from tests.plan.runs import STEPS, record_run
 
@@ -137,3 +140,144 @@ def test_a_split_scales_each_side_from_its_speed_alone(small_run: Path) -> None:
     split = shared.on_devices(1.0, 1.0)
     assert split.rmax == pytest.approx(alone.rmax) and split.train_rate == alone.train_rate
     assert split.train_share == 1.0 and split.other is None
+
+
+# A record written by hand: rollouts decoding under processor sharing with R(n) = rmax n /
+# (n + n_half), each at a steady load n, part of its time beside training (at `TRAIN_SHARE` of the
+# rate) and part beside a weight sync (at `SYNC_SHARE`). The fit knows none of these numbers.
+RMAX, N_HALF, TRAIN_SHARE, SYNC_SHARE = 5000.0, 16.0, 0.5, 0.0
+TRAIN_RATE, T_OPTIM, T_SYNC, STEP_S = 2000.0, 0.2, 0.3, 5.0
+GROUP_SIZE = 4
+
+
+def _rollout(rng: np.random.Generator, group: int, load: float | None) -> RolloutRow:
+    """One rollout of `group` at a steady `load` (drawn in 1-256 when None): its length is what
+    the rate gives it over its time alone, beside training and beside a sync."""
+    n = float(rng.uniform(1.0, 256.0)) if load is None else load
+    seconds = float(rng.uniform(5.0, 50.0))
+    start = float(rng.uniform(0.0, 10.0))
+    training, syncing = float(rng.uniform(0.0, 0.6)), float(rng.uniform(0.0, 0.2))
+
+    def inv(part: float) -> list[float]:
+        return [part * seconds / (n + c) for c in OFFSETS]
+
+    decoding = (1 - training - syncing) + TRAIN_SHARE * training + SYNC_SHARE * syncing
+    return RolloutRow(
+        start=start,
+        end=start + seconds,
+        prompt=10,
+        completion=round(RMAX * decoding * seconds / (n + N_HALF)),
+        turns=1,
+        active=n,
+        inv=inv(1.0),
+        tool_s=0.0,
+        inv_train=inv(training),
+        inv_sync=inv(syncing),
+        group=group,
+        filtered=False,
+    )
+
+
+def _workload(load: float | None = None, groups: int = 100) -> Workload:
+    """`groups` groups of the rollouts above, and ten steps `STEP_S` apart whose first one warms
+    up (its training, optimizer step and sync twice as slow)."""
+    rng = np.random.default_rng(0)
+    rows = [_rollout(rng, i // GROUP_SIZE, load) for i in range(groups * GROUP_SIZE)]
+    steps = []
+    for i in range(10):
+        warm = 2.0 if i == 0 else 1.0
+        tokens = 1000 * (i + 1)
+        train_s = warm * tokens / TRAIN_RATE
+        steps.append(StepRow(i, 1.0 + STEP_S * i, tokens, train_s, warm * T_OPTIM, warm * T_SYNC))
+    meta = {
+        "mode": "async",
+        "group_size": GROUP_SIZE,
+        "groups_per_step": 8,
+        "max_concurrency": 256,
+        "groups": {"consumed": 30, "filtered": 10},
+    }
+    return Workload(meta, rows, steps, rollouts_seen=len(rows))
+
+
+def test_the_fit_recovers_the_rate_its_shares_and_the_learners_times_from_a_record() -> None:
+    workload = _workload()
+    f = fit_workload(workload)
+    # The lengths are rounded to whole tokens (under 0.5% of the shortest): rmax within 1%, and
+    # n_half and the shares exactly, as they are fitted on grids that hold the true values.
+    assert f.rmax == pytest.approx(RMAX, rel=0.01)
+    assert f.n_half == N_HALF and (f.train_share, f.sync_share) == (TRAIN_SHARE, SYNC_SHARE)
+    assert any(m.startswith("decode rate vs concurrency: R(n) = ") for m in f.measured)
+    # The first step's warm-up is left out of the learner's speed and times, and of the step time.
+    assert f.train_rate == pytest.approx(TRAIN_RATE)
+    assert (f.t_optim, f.t_sync) == (pytest.approx(T_OPTIM), pytest.approx(T_SYNC))
+    assert f.measured_step_s == pytest.approx(STEP_S)
+    assert f.filter_rate == pytest.approx(0.25)
+    # The replay draws whole recorded groups: each of the record's groups, with its lengths.
+    recorded: dict[int, list[int]] = {}
+    for row in workload.rollouts:
+        assert row.group is not None
+        recorded.setdefault(row.group, []).append(row.completion)
+    drawn = sorted(sorted(r.completion for r in g.rollouts) for g in f.groups)
+    assert drawn == sorted(sorted(lengths) for lengths in recorded.values())
+    assert f.lengths == sorted(r.completion for r in workload.rollouts)
+
+
+def test_at_one_concurrency_the_fit_assumes_n_half_and_keeps_the_rate_seen_there() -> None:
+    f = fit_workload(_workload(load=32.0))
+    assert f.n_half == 64.0  # the default: the record cannot tell it
+    assert any("so n_half = 64 is assumed" in a for a in f.assumed)
+    assert ps_rate(32, f.rmax, f.n_half) == pytest.approx(ps_rate(32, RMAX, N_HALF), rel=0.01)
+
+
+def test_a_fitted_workload_scales_its_servers_and_its_batch() -> None:
+    f = fit_workload(_workload())
+    big = f.scaled(servers=2.0, batch=3.0)
+    for n in (1, 32, 256):  # twice the servers decode twice as fast at twice the concurrency
+        assert ps_rate(2 * n, big.rmax, big.n_half) == pytest.approx(
+            2 * ps_rate(n, f.rmax, f.n_half)
+        )
+    assert big.meta["max_concurrency"] == 512 and big.meta["groups_per_step"] == 24
+    assert (big.train_rate, big.t_optim, big.t_sync) == (f.train_rate, f.t_optim, f.t_sync)
+    assert math.isnan(big.measured_step_s) and f.scaled().measured_step_s == f.measured_step_s
+    assert len(big.assumed) == len(f.assumed) + 2 and f.meta["max_concurrency"] == 256
+
+
+def test_a_record_without_rollouts_or_steps_cannot_be_fitted() -> None:
+    workload = _workload(groups=1)
+    with pytest.raises(ConfigError, match="no finished rollouts or no steps"):
+        fit_workload(dataclasses.replace(workload, steps=[]))
+    with pytest.raises(ConfigError, match="no finished rollouts or no steps"):
+        fit_workload(dataclasses.replace(workload, rollouts=[]))
+
+
+@pytest.mark.parametrize(
+    ("train_rate", "setting"),
+    [
+        (3000.0, ["mode=sync", "coordinator.max_staleness=0"]),
+        (20000.0, ["coordinator.pipeline_depth=2", "coordinator.max_staleness=null"]),
+    ],
+)
+def test_the_fit_recovers_a_sim_engine_and_learner_of_other_parameters(
+    tmp_path: Path, train_rate: float, setting: list[str]
+) -> None:
+    # The sim backend with parameters other than W1's: rmax, n_half (on the grid `OFFSETS` the fit
+    # searches), the learner's tokens/s, and its optimizer-step and sync seconds. (Where an async
+    # learner trains beside nearly all of generation, a share of the rate it keeps beside training
+    # trades off against rmax: the async run's learner is fast.)
+    backend = {"rmax": 8000.0, "n_half": 16.0, "train_rate": train_rate, "t_optim": 0.25}
+    run = record_run(
+        tmp_path,
+        "train.total_steps=10",
+        "train.groups_per_step=8",
+        "backend.slots=128",
+        "rollout.max_concurrency=128",
+        "backend.train_ratio=null",
+        *(f"backend.{k}={v}" for k, v in backend.items()),
+        "backend.t_sync=1.5",
+        *setting,
+    )
+    f = fit_workload(read_workload(run))
+    assert f.rmax == pytest.approx(8000.0, rel=0.02) and f.n_half == 16.0
+    assert f.train_rate == pytest.approx(train_rate, rel=1e-6)
+    assert f.t_optim == pytest.approx(0.25) and f.t_sync == pytest.approx(1.5)
+    assert (f.train_share, f.sync_share) == (1.0, 1.0)
