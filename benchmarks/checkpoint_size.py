@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local import LocalBackend
 from rllm_async.backends.local.backend import CHECKPOINT_FILE
 from rllm_async.config import config_from_dict, package_file
+from rllm_async.protocols import SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 KINDS = ("float32", "bfloat16", "none")

@@ -20,11 +20,11 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local import LocalBackend
 from rllm_async.checkpoint import latest as latest_checkpoint
 from rllm_async.config import load_config
 from rllm_async.data import load_tasks
+from rllm_async.protocols import SamplingParams
 from rllm_async.tasks import countdown
 
 

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local.hf import load_checkpoint
 from rllm_async.backends.local.learner import Learner
 from rllm_async.backends.local.model import frozen_copy, load_model
@@ -33,6 +32,7 @@ from rllm_async.backends.local.options import native_bfloat16
 from rllm_async.backends.local.sampler import Sampler
 from rllm_async.backends.local.snapshots import WeightStore
 from rllm_async.config import LossConfig, OptimConfig, package_file
+from rllm_async.protocols import SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -44,9 +44,9 @@ from pathlib import Path
 import httpx
 from openai import AsyncOpenAI
 
-from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.gateway import Gateway
+from rllm_async.protocols import Completion, SamplingParams, Tokenizer
 from rllm_async.rollout import RolloutContext
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "guess 1-15"}]}

@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.local.backend import LocalBackend
 from rllm_async.config import LossConfig, config_from_dict
 from rllm_async.models.tiny_qwen import build_tokenizer
+from rllm_async.protocols import Completion, SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 HEAD_DIM = 128  # Qwen3-0.6B's (and 1.7B's): heads are wider than hidden / heads

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 from local_throughput import bench_learner  # beside this script
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local.hf import load_chat_tokenizer, load_checkpoint
 from rllm_async.backends.local.model import load_model
 from rllm_async.backends.local.sampler import Sampler
@@ -35,6 +34,7 @@ from rllm_async.backends.local.transformers_model import (
 )
 from rllm_async.config import LossConfig
 from rllm_async.models.tiny_qwen import build_tiny_qwen
+from rllm_async.protocols import SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 CPU = torch.device("cpu")

@@ -22,7 +22,6 @@ import time
 
 import torch
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local.learner import Learner
 from rllm_async.backends.local.model import build_model, frozen_copy, preset_config
 from rllm_async.backends.local.sampler import Sampler
@@ -30,6 +29,7 @@ from rllm_async.backends.local.snapshots import WeightStore
 from rllm_async.backends.local.transformers_model import Decoder
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import LossConfig, OptimConfig
+from rllm_async.protocols import SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 PROMPT_TOKENS = 16

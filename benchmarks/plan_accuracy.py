@@ -17,9 +17,9 @@ import argparse
 import json
 from typing import Any
 
-from rllm_async.plan import Candidate, recorded_candidate, replay
-from rllm_async.workload_fit import Fit, fit
-from rllm_async.workload_record import Workload, read_workload
+from rllm_async.plan.fit import FittedWorkload, fit_workload
+from rllm_async.plan.record import Workload, read_workload
+from rllm_async.plan.replay import Candidate, recorded_candidate, replay
 
 
 def load(run_dir: str, *, independent: bool = False) -> Workload:
@@ -31,7 +31,7 @@ def load(run_dir: str, *, independent: bool = False) -> Workload:
     return workload
 
 
-def errors(f: Fit, c: Candidate, steps: int, seeds: list[int]) -> list[float]:
+def errors(f: FittedWorkload, c: Candidate, steps: int, seeds: list[int]) -> list[float]:
     """The replay of `c` with each seed, as a relative error on `f`'s measured time per step."""
     return [round(replay(f, c, steps, seed)["step_s"] / f.measured_step_s - 1, 4) for seed in seeds]
 
@@ -40,7 +40,7 @@ def pair(
     label: str, async_dir: str, sync_dir: str, steps: int, seeds: list[int], independent: bool
 ) -> dict[str, Any]:
     """The figures of one pair of records."""
-    fa, fs = fit(load(async_dir)), fit(load(sync_dir))
+    fa, fs = fit_workload(load(async_dir)), fit_workload(load(sync_dir))
     ca, cs = recorded_candidate(fa), recorded_candidate(fs)
     out: dict[str, Any] = {
         "pair": label,
@@ -48,7 +48,10 @@ def pair(
         "own_error": {"async": errors(fa, ca, steps, seeds), "sync": errors(fs, cs, steps, seeds)},
     }
     if independent:
-        ia, is_ = fit(load(async_dir, independent=True)), fit(load(sync_dir, independent=True))
+        ia, is_ = (
+            fit_workload(load(async_dir, independent=True)),
+            fit_workload(load(sync_dir, independent=True)),
+        )
         out["own_error_independent"] = {
             "async": errors(ia, ca, steps, seeds),
             "sync": errors(is_, cs, steps, seeds),

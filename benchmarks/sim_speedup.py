@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from rllm_async.simulate import compare, run_workload, sync_baselines
+from rllm_async.plan.simulate import compare, run_workload, sync_baselines
 
 
 def main() -> None:

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.config import Config, config_from_dict
+from rllm_async.protocols import SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 REPO = Path(__file__).resolve().parents[1]

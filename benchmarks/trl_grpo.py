@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from rllm_async.algorithms.schedule import learning_rate
-from rllm_async.backends.base import Tokenizer as ChatTokenizer
 from rllm_async.backends.local.backend import LocalBackend, LocalOptions
 from rllm_async.backends.local.hf import checkpoint_dir, load_chat_tokenizer
 from rllm_async.backends.local.learner import Learner
@@ -49,6 +48,7 @@ from rllm_async.backends.toy_tokenizers import SPECIALS, CharTokenizer
 from rllm_async.config import Config, load_config, validate_options
 from rllm_async.data import TaskSource, load_tasks
 from rllm_async.imports import import_object
+from rllm_async.protocols import Tokenizer as ChatTokenizer
 from rllm_async.workflows.prompt import task_messages
 
 # Nothing leaves the machine: no Hub look-ups, no usage pings (read when huggingface_hub is imported).

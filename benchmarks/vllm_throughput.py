@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.local.hf import checkpoint_dir, load_checkpoint
 from rllm_async.backends.local.model import frozen_copy, load_model
 from rllm_async.backends.local.sampler import Sampler
 from rllm_async.backends.local.snapshots import WeightStore
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServer, write_weights
 from rllm_async.models.tiny_qwen import build_tiny_qwen
+from rllm_async.protocols import Completion, SamplingParams
 
 PROMPT = [{"role": "user", "content": "what is 12 plus 30? think step by step."}]
 

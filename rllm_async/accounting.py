@@ -18,9 +18,9 @@ from rllm_async.coordinator import GroupState
 from rllm_async.data import TaskSource
 from rllm_async.health import FailureRateBreaker, NoSignalGuard
 from rllm_async.metrics import Reduce
+from rllm_async.plan.record import KeptGroup, RolloutMeter, WorkloadRecorder
 from rllm_async.runner import Rollout
 from rllm_async.step_record import StepRecord
-from rllm_async.workload_record import KeptGroup, RolloutMeter, WorkloadRecorder
 
 
 class Accounting:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rllm_async.backends.base import Backend
 from rllm_async.config import ConfigError
+from rllm_async.protocols import Backend
 
 _STATE = "trainer_state.json"
 

@@ -16,12 +16,12 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from rllm_async.backends.base import BackendError
 from rllm_async.config import ConfigError, load_config
 from rllm_async.coordinator import StallError, SyncTimeoutError
 from rllm_async.data import DataError
 from rllm_async.health import FailureRateError, NoSignalError
 from rllm_async.metrics import ProgressBarSink
+from rllm_async.protocols import BackendError
 
 if TYPE_CHECKING:
     from rllm_async.trainer import UnifiedTrainer
@@ -112,7 +112,7 @@ def _ctrl_c_stops(trainer: UnifiedTrainer) -> Iterator[None]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from rllm_async.simulate import simulate
+    from rllm_async.plan.simulate import simulate
 
     result = simulate(
         args.workload,
@@ -143,7 +143,7 @@ def _devices_pair(text: str) -> tuple[int, int]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from rllm_async.plan import plan, render
+    from rllm_async.plan.replay import plan, render
 
     grid = {
         "depths": [int(x) for x in args.depths.split(",")],

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from rllm_async import checkpoint
-from rllm_async.backends.base import Backend, PolicyClient, SamplingParams
 from rllm_async.callbacks import Callback
 from rllm_async.config import Config
 from rllm_async.data import load_tasks
 from rllm_async.metrics import MetricsAggregator
+from rllm_async.protocols import Backend, PolicyClient, SamplingParams
 from rllm_async.rollout import Pause, SyncPause
 from rllm_async.runner import build_workflow, configured_parser, run_rollout
 from rllm_async.step_record import record_episode

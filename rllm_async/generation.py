@@ -8,15 +8,15 @@ import asyncio
 import itertools
 
 from rllm_async.accounting import Accounting
-from rllm_async.backends.base import PolicyClient, SamplingParams
 from rllm_async.buffer import Dispatch, TrajectoryGroupBuffer
 from rllm_async.config import Config
 from rllm_async.coordinator import SyncCoordinator
 from rllm_async.data import TaskSource
+from rllm_async.plan.record import KeptGroup
+from rllm_async.protocols import PolicyClient, SamplingParams
 from rllm_async.rollout_slots import RolloutSlots
 from rllm_async.runner import configured_parser, run_rollout
 from rllm_async.workflows.base import Workflow
-from rllm_async.workload_record import KeptGroup
 
 
 class Generation:

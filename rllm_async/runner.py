@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rllm_async.backends.base import PolicyClient, SamplingParams
 from rllm_async.config import Config, ConfigError
 from rllm_async.imports import import_object
+from rllm_async.protocols import PolicyClient, SamplingParams
 from rllm_async.rollout import CallMeter, Pause, RolloutContext
 from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
 from rllm_async.types import Episode

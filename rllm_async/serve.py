@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 from rllm_async.backends import get_backend_factory
-from rllm_async.backends.base import SamplingParams
 from rllm_async.callbacks import Callback
 from rllm_async.checkpoint import load as load_checkpoint
 from rllm_async.config import BackendConfig, Config, ConfigError, config_from_dict
 from rllm_async.gateway.server import Gateway
+from rllm_async.protocols import SamplingParams
 from rllm_async.runner import configured_parser
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.workflows.online import OnlineWorkflow, slots

@@ -20,7 +20,6 @@ from rllm_async import checkpoint
 from rllm_async.accounting import Accounting
 from rllm_async.algorithms.advantages import get_advantage_fn
 from rllm_async.backends import get_backend_factory
-from rllm_async.backends.base import Backend, PolicyClient, RecomputesLogprobs
 from rllm_async.buffer import ReadyGroup, TrajectoryGroupBuffer
 from rllm_async.callbacks import Callback
 from rllm_async.checkpoint import CheckpointState
@@ -30,6 +29,8 @@ from rllm_async.data import TaskSource, load_tasks
 from rllm_async.evaluation import EvalSchedule, Evaluator
 from rllm_async.generation import Generation
 from rllm_async.metrics import Reduce
+from rllm_async.plan.record import WorkloadRecorder
+from rllm_async.protocols import Backend, PolicyClient, RecomputesLogprobs
 from rllm_async.runner import build_workflow
 from rllm_async.step_record import (
     EVALUATION,
@@ -40,7 +41,6 @@ from rllm_async.step_record import (
     StepRecord,
 )
 from rllm_async.workflows.base import Workflow
-from rllm_async.workload_record import WorkloadRecorder
 
 log = logging.getLogger(__name__)
 

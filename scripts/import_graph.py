@@ -2,7 +2,9 @@
 
 Every import counts: module-level, inside functions and under `TYPE_CHECKING`. Only imports of
 `rllm_async` itself are edges. Layers are the package's top-level modules and subpackages, with
-each backend of `rllm_async.backends` and each engine of `rllm_async.engines` a layer of its own.
+each backend of `rllm_async.backends`, each engine of `rllm_async.engines` and each module of the
+planner (`rllm_async.plan`, whose recorder lies below the trainer and the rest above it) a layer
+of its own.
 
     python scripts/import_graph.py                # layer -> layers it imports
     python scripts/import_graph.py --mermaid      # the same as a Mermaid flowchart (docs)
@@ -18,7 +20,7 @@ from pathlib import Path
 
 PACKAGE = "rllm_async"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
-SPLIT = (f"{PACKAGE}.backends", f"{PACKAGE}.engines")  # packages whose children are layers
+SPLIT = (f"{PACKAGE}.backends", f"{PACKAGE}.engines", f"{PACKAGE}.plan")  # children are layers
 
 Graph = dict[str, set[str]]
 
@@ -63,7 +65,8 @@ def _imported(tree: ast.AST, package: str, modules: Mapping[str, Path]) -> Itera
 
 
 def layer(module: str) -> str:
-    """The layer of a module: its top-level module or subpackage, or its backend or engine."""
+    """The layer of a module: its top-level module or subpackage, or its backend, engine or
+    planner module."""
     for split in SPLIT:
         if module.startswith(split + "."):
             return ".".join(module.split(".")[: split.count(".") + 2])

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.toy_tokenizers import ByteTokenizer
 from rllm_async.config import Config, config_from_dict
+from rllm_async.protocols import Completion, SamplingParams
 from rllm_async.rollout import RolloutContext
 from rllm_async.workflows.base import Workflow
 

@@ -7,8 +7,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from rllm_async.backends.base import Completion, PolicyClient, SamplingParams, Tokenizer
 from rllm_async.backends.toy_tokenizers import CharTokenizer
+from rllm_async.protocols import Completion, PolicyClient, SamplingParams, Tokenizer
 from rllm_async.rollout import Pause, RolloutContext
 
 

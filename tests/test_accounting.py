@@ -14,10 +14,10 @@ from rllm_async.coordinator import GroupState
 from rllm_async.data import TaskSource
 from rllm_async.health import FailureRateError
 from rllm_async.metrics import MetricsAggregator
+from rllm_async.plan.record import WorkloadRecorder
 from rllm_async.runner import Rollout
 from rllm_async.step_record import GROUP_COUNTS, StepRecord
 from rllm_async.types import Episode, Step, Trajectory
-from rllm_async.workload_record import WorkloadRecorder
 from tests.fakes import make_config, tasks
 
 COUNTS = {**dict.fromkeys(GROUP_COUNTS, 0), "in_flight": 0, "buffered": 0, "version": 0}

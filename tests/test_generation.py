@@ -15,12 +15,12 @@ from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.data import TaskSource
 from rllm_async.generation import Generation
 from rllm_async.metrics import MetricsAggregator
+from rllm_async.plan.record import WorkloadRecorder
 from rllm_async.rollout import RolloutContext
 from rllm_async.step_record import StepRecord
 from rllm_async.types import Episode
 from rllm_async.vclock import run
 from rllm_async.workflows.base import Workflow
-from rllm_async.workload_record import WorkloadRecorder
 from tests.fakes import FakePolicy, ScriptedWorkflow, make_config, tasks
 
 

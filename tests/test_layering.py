@@ -27,9 +27,9 @@ CONCRETE = ("backends.local", "backends.tinker", "backends.verl", "backends.sim"
 # Core -> concrete imports that remain, each with its reason:
 KNOWN_CORE_TO_CONCRETE = {
     # `rllm-async simulate` compares async with sync runs on the sim backend itself.
-    ("rllm_async.simulate", "rllm_async.backends.sim"),
+    ("rllm_async.plan.simulate", "rllm_async.backends.sim"),
     # `rllm-async plan` replays a recorded run's workload on the sim backend.
-    ("rllm_async.plan", "rllm_async.backends.sim"),
+    ("rllm_async.plan.replay", "rllm_async.backends.sim"),
 }
 
 
@@ -103,8 +103,32 @@ def test_the_core_never_imports_a_concrete_backend() -> None:
     assert {(s, t) for s, t in core if _in(t, *CONCRETE)} == KNOWN_CORE_TO_CONCRETE
 
 
+def _reached_from(module: str) -> set[str]:
+    """Every module that importing `module` can import, directly or not (any import counts, and
+    importing a module runs its packages' `__init__` first)."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        parents = {name.rsplit(".", i)[0] for i in range(1, name.count("."))}
+        for target in (GRAPH[name] | parents) - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def test_the_trainer_reaches_the_planner_only_through_its_recorder() -> None:
+    """The trainer records its workload with `plan.record`; the fit, the replay and the
+    simulator, which drive the trainer, are never imported with it."""
+    planner = {m for m in GRAPH if _in(m, "plan")}
+    assert {"rllm_async.plan.record", "rllm_async.plan.fit", "rllm_async.plan.replay"} <= planner
+    reached = _reached_from("rllm_async.trainer") & planner
+    assert reached == {"rllm_async.plan", "rllm_async.plan.record"}
+    assert GRAPH["rllm_async.plan"] == set(), "the planner's __init__ imports nothing"
+
+
 def test_rollout_never_imports_workflows_or_gateway_only_what_lies_below() -> None:
-    below = ("rollout", "backends.base", "types", "config")
+    below = ("rollout", "protocols", "types", "config")
     assert {(s, t) for s, t in _imports_of("rollout") if not _in(t, *below)} == set()
 
 
@@ -112,8 +136,14 @@ def test_gateway_and_backends_never_import_workflows() -> None:
     assert {(s, t) for s, t in _imports_of("gateway", "backends") if _in(t, "workflows")} == set()
 
 
+def test_the_engines_never_import_a_backend() -> None:
+    """The backends import the engines (the vLLM engine is shared by the local and verl
+    learners); what the engines share with the backends lies below both, in `protocols`."""
+    assert {(s, t) for s, t in _imports_of("engines") if _in(t, "backends")} == set()
+
+
 def test_the_gateway_imports_only_the_rollout_layer_and_below() -> None:
-    below = ("gateway", "rollout", "backends.base", "types", "config")
+    below = ("gateway", "rollout", "protocols", "types", "config")
     assert {(s, t) for s, t in _imports_of("gateway") if not _in(t, *below)} == set()
 
 

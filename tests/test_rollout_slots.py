@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from rllm_async.config import CoordinatorConfig
 from rllm_async.coordinator import SyncCoordinator
+from rllm_async.plan.simulate import run_workload
 from rllm_async.rollout_slots import RolloutSlots
-from rllm_async.simulate import run_workload
 from rllm_async.vclock import run
 from tests import heavy_tailed
 

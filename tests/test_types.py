@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rllm_async.backends.base import SamplingParams
+from rllm_async.protocols import SamplingParams
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import Step, Trajectory
 from rllm_async.vclock import run

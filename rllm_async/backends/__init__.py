@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from rllm_async.config import ConfigError
 
 if TYPE_CHECKING:
-    from rllm_async.backends.base import BackendFactory
+    from rllm_async.protocols import BackendFactory
 
 
 def available_backends() -> list[str]:

@@ -14,12 +14,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rllm_async.backends.base import PolicyClient
 from rllm_async.gateway.conversation import keep_first_call
 from rllm_async.gateway.errors import APIError, ErrorShape, error_response, invalid
 from rllm_async.gateway.protocol import ResponseFormat, SamplingFields
 from rllm_async.gateway.sessions import Session, SessionStore
 from rllm_async.gateway.structured import constraint
+from rllm_async.protocols import PolicyClient
 from rllm_async.rollout import ChatTemplateError, ChatTurn, ContextLengthError, RolloutContext
 from rllm_async.types import Step
 

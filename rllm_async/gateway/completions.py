@@ -9,12 +9,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from rllm_async.backends.base import Completion
 from rllm_async.gateway.api import API
 from rllm_async.gateway.chat_completions import usage
 from rllm_async.gateway.errors import APIError
 from rllm_async.gateway.protocol import CompletionRequest
 from rllm_async.gateway.sse import data_stream
+from rllm_async.protocols import Completion
 from rllm_async.rollout.chat import cut_at_stop
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import uvicorn
 from starlette.requests import Request
 
-from rllm_async.backends.base import PolicyClient, SamplingParams
 from rllm_async.gateway.app import build_app
 from rllm_async.gateway.errors import APIError
 from rllm_async.gateway.sessions import Session, SessionStore
+from rllm_async.protocols import PolicyClient, SamplingParams
 from rllm_async.rollout import Pause, RolloutContext, SyncPause
 from rllm_async.rollout.reply_parser import ReplyParser
 

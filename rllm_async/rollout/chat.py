@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rllm_async.backends.base import Tokenizer
+from rllm_async.protocols import Tokenizer
 
 _USER = {"role": "user", "content": "x"}
 

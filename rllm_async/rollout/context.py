@@ -9,7 +9,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rllm_async.backends.base import Completion, PolicyClient, SamplingParams
+from rllm_async.protocols import Completion, PolicyClient, SamplingParams
 from rllm_async.rollout.chat import ChatHistory
 from rllm_async.rollout.deadline import Deadline
 from rllm_async.rollout.pause import Pause, SyncPause

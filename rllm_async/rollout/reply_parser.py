@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from rllm_async.backends.base import Tokenizer
+from rllm_async.protocols import Tokenizer
 from rllm_async.rollout.chat import cut_at_stop
 from rllm_async.rollout.tool_calls import (
     ParsedReply,

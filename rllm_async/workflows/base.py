@@ -5,8 +5,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from rllm_async.backends.base import PolicyClient
 from rllm_async.metrics import Reduce
+from rllm_async.protocols import PolicyClient
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
 

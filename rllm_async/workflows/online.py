@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from rllm_async.backends.base import PolicyClient, SamplingParams
+from rllm_async.protocols import PolicyClient, SamplingParams
 from rllm_async.rollout import RolloutContext
 from rllm_async.rollout.reply_parser import reply_parser
 from rllm_async.types import Episode

@@ -17,7 +17,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from rllm_async.backends.base import PolicyClient
+from rllm_async.protocols import PolicyClient
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
 from rllm_async.workflows.base import Workflow

@@ -13,9 +13,9 @@ from typing import Any
 import agents
 
 from rllm_async import UnifiedTrainer
-from rllm_async.backends.base import Backend, PolicyClient
 from rllm_async.backends.local import LocalBackend
 from rllm_async.config import config_from_dict
+from rllm_async.protocols import Backend, PolicyClient
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
 from rllm_async.workflows import OpenAIAgentWorkflow

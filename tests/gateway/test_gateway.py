@@ -17,10 +17,10 @@ import httpx
 import openai
 import pytest
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local import LocalBackend
 from rllm_async.config import config_from_dict
 from rllm_async.gateway import Gateway
+from rllm_async.protocols import SamplingParams
 from tests.gateway.validation import Validating, check
 from tests.scripted import RecordingPolicy, ScriptedPolicy, context
 

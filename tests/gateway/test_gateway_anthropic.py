@@ -15,7 +15,7 @@ import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from rllm_async.backends.base import SamplingParams
+from rllm_async.protocols import SamplingParams
 from rllm_async.rollout import RolloutContext
 from rllm_async.rollout.reply_parser import reply_parser
 from rllm_async.rollout.tool_parsers import HermesParser

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import Case, GenerationMode
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.gateway import Gateway
 from rllm_async.gateway.openapi import openapi_document
+from rllm_async.protocols import SamplingParams
 from tests.scripted import ScriptedPolicy
 
 KEY = "fuzz"

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from rllm_async.backends.base import Completion, SamplingParams
+from rllm_async.protocols import Completion, SamplingParams
 from rllm_async.rollout import SyncPause
 from tests.gateway.test_gateway import KEY, open_session, openai, serving
 from tests.scripted import ScriptedPolicy, context

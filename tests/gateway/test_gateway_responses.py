@@ -18,7 +18,7 @@ from openai.types.responses import (
 )
 from pydantic import TypeAdapter
 
-from rllm_async.backends.base import SamplingParams
+from rllm_async.protocols import SamplingParams
 from rllm_async.rollout import RolloutContext
 from rllm_async.rollout.reply_parser import reply_parser
 from tests.gateway.frameworks import FINAL, RESULT, Answer, calc_agent, reply

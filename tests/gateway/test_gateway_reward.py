@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.gateway import Gateway
 from rllm_async.gateway.sessions import Session
+from rllm_async.protocols import SamplingParams
 from rllm_async.rollout import RolloutContext
 from tests.gateway.test_gateway import CHAT, KEY, serving
 from tests.scripted import ScriptedPolicy

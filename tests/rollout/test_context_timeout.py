@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from rllm_async.backends.base import SamplingParams
+from rllm_async.protocols import SamplingParams
 from rllm_async.rollout import RolloutContext, SyncPause
 from rllm_async.vclock import run
 from tests.fakes import FakePolicy

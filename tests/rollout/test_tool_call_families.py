@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
 from rllm_async.backends.hf_tokenizer import HFTokenizer
 from rllm_async.backends.toy_tokenizers import CHARS
+from rllm_async.protocols import Completion, SamplingParams, Tokenizer
 from rllm_async.rollout import RolloutContext
 from rllm_async.rollout.chat import render, template_messages
 from rllm_async.rollout.reply_parser import detect_family

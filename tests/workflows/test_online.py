@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from rllm_async.backends.base import SamplingParams
+from rllm_async.protocols import SamplingParams
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import Episode
 from rllm_async.workflows.online import EpisodeGroups, OnlineWorkflow

@@ -13,7 +13,6 @@ from typing import Any, ClassVar, Literal, TypeVar
 import torch
 from pydantic import BaseModel
 
-from rllm_async.backends.base import Tokenizer
 from rllm_async.backends.local.hf import checkpoint_dir, read_config
 from rllm_async.backends.local.learner import Learner
 from rllm_async.backends.local.learner_process import LearnerProcess, LearnerSpec
@@ -45,6 +44,7 @@ from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import Config, ConfigError, LossConfig, validate_options
 from rllm_async.engines.vllm import VLLMPolicy
 from rllm_async.engines.vllm.engine import VLLMEngine, vllm_metrics
+from rllm_async.protocols import Tokenizer
 from rllm_async.types import TrajectoryGroup
 
 log = logging.getLogger(__name__)

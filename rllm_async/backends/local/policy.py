@@ -8,9 +8,9 @@ from typing import Protocol
 
 import torch
 
-from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
 from rllm_async.backends.local.sampler import Sampler
 from rllm_async.backends.local.snapshots import WeightStore
+from rllm_async.protocols import Completion, SamplingParams, Tokenizer
 
 
 class SamplerOptions(Protocol):

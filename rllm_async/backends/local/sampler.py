@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
 from rllm_async.backends.local.cache import KVCache
 from rllm_async.backends.local.snapshots import WeightStore
 from rllm_async.backends.local.transformers_model import Decoder, TokenCache, TransformersModel
+from rllm_async.protocols import Completion, SamplingParams, Tokenizer
 
 # How much later than its arrival a queued request of priority 1 ranks (2 for priority 2...):
 # longer than a rollout's model call usually waits for a slot, short next to an evaluation.

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from rllm_async.backends.base import Tokenizer
 from rllm_async.backends.local.transformers_model import Decoder
 from rllm_async.imports import import_object
+from rllm_async.protocols import Tokenizer
 
 
 class WarmStartOptions(BaseModel):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 
-from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.sim.options import SimOptions
 from rllm_async.backends.sim.server import ProcessorSharing
 from rllm_async.backends.toy_tokenizers import ByteTokenizer
+from rllm_async.protocols import Completion, SamplingParams
 
 
 class SimPolicy:

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rllm_async.backends import base
+from rllm_async import protocols
 from rllm_async.backends.hf_tokenizer import HFTokenizer
 from rllm_async.backends.tinker import sdk
 
@@ -100,8 +100,8 @@ class TinkerPolicy:
         return sorted(self._samplers)
 
     async def generate(
-        self, prompt_ids: list[int], params: base.SamplingParams, *, version: int | None = None
-    ) -> base.Completion:
+        self, prompt_ids: list[int], params: protocols.SamplingParams, *, version: int | None = None
+    ) -> protocols.Completion:
         await self._start()
         if self._frozen:
             self._events()
@@ -138,11 +138,11 @@ class TinkerPolicy:
                 self._in_flight -= 1
                 if not self._in_flight:
                     self._idle.set()
-        return base.Completion(
+        return protocols.Completion(
             ids, logprobs, [v] * len(ids), "length" if reason == "length" else "stop"
         )
 
-    def _sdk_params(self, params: base.SamplingParams) -> Any:
+    def _sdk_params(self, params: protocols.SamplingParams) -> Any:
         """Stop at the eos token, and at `params.stop` strings (with eos as a string) if any."""
         tok = self._tokenizer
         stop: list[int] | list[str] = (

@@ -17,7 +17,6 @@ from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, Ra
 
 from rllm_async.algorithms.losses import LossStats
 from rllm_async.algorithms.schedule import learning_rate
-from rllm_async.backends.base import PolicyClient
 from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.backends.local.hf import load_checkpoint
 from rllm_async.backends.verl import batch as verl_batch
@@ -30,6 +29,7 @@ from rllm_async.backends.verl.vllm_rollout import VLLMRollout
 from rllm_async.backends.verl.worker import VerlWorker
 from rllm_async.config import Config, ConfigError, LossConfig
 from rllm_async.engines.vllm.engine import vllm_metrics
+from rllm_async.protocols import PolicyClient
 from rllm_async.types import TrajectoryGroup
 
 T = TypeVar("T")

@@ -21,9 +21,9 @@ import contextvars
 import uuid
 from typing import Any
 
-from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
 from rllm_async.backends.verl.options import VerlOptions
 from rllm_async.config import ConfigError
+from rllm_async.protocols import Completion, SamplingParams, Tokenizer
 
 ABORTED = frozenset(("aborted", "abort"))  # vLLM's and SGLang's words for a request cut short
 VERL_VERSION = "0.9.1"

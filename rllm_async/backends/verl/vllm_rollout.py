@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rllm_async.backends.base import Tokenizer
 from rllm_async.backends.verl.options import VerlOptions
 from rllm_async.config import Config
 from rllm_async.engines.vllm.engine import VLLMEngine
+from rllm_async.protocols import Tokenizer
 
 
 class VLLMRollout:

@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 import httpx
 
-from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
 from rllm_async.engines.vllm.errors import VLLMServerError
 from rllm_async.engines.vllm.weights import check_weights
+from rllm_async.protocols import Completion, SamplingParams, Tokenizer
 
 PauseMode = Literal["keep", "wait", "abort"]
 ABORTED = "abort"  # vLLM's finish_reason for a request a pause with mode=abort cut short

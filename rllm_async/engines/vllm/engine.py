@@ -19,11 +19,11 @@ from typing import Any, Literal, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rllm_async.backends.base import Tokenizer
 from rllm_async.engines.vllm.client import PauseMode, Recover, VLLMPolicy
 from rllm_async.engines.vllm.errors import VLLMServerError
 from rllm_async.engines.vllm.server import VLLMServer
 from rllm_async.engines.vllm.weights import write_weights
+from rllm_async.protocols import Tokenizer
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rllm_async.backends.base import BackendError
+from rllm_async.protocols import BackendError
 
 
 class VLLMServerError(BackendError):

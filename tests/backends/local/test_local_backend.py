@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from rllm_async.backends.base import Backend, SamplingParams
 from rllm_async.backends.local import LocalBackend
 from rllm_async.backends.local.model import build_model, preset_config
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import Config, ConfigError, config_from_dict
+from rllm_async.protocols import Backend, SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.local import LocalBackend
 from rllm_async.backends.local.model import preset_config
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.config import Config, config_from_dict
 from rllm_async.export import export_run
+from rllm_async.protocols import Completion, SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 from tests.digits import adapters_only_run, digits_config, mean_reward, train
 from tests.test_export import TOLERANCE as EXPORT_TOLERANCE

@@ -10,12 +10,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from rllm_async.backends.base import SamplingParams  # noqa: E402
 from rllm_async.backends.hf_tokenizer import load_tokenizer  # noqa: E402
 from rllm_async.backends.local import LocalBackend  # noqa: E402
 from rllm_async.backends.local.hf import load_checkpoint  # noqa: E402
 from rllm_async.backends.local.model import hf_weights, load_model  # noqa: E402
 from rllm_async.config import ConfigError, config_from_dict  # noqa: E402
+from rllm_async.protocols import SamplingParams  # noqa: E402
 
 # No whitespace: transformers 5 may swap in the model type's own tokenizer class, whose byte-level
 # pre-tokenizer does not know this toy vocabulary's raw spaces and newlines.

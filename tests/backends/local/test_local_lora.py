@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local import LocalBackend
 from rllm_async.backends.local.backend import CHECKPOINT_FILE
 from rllm_async.backends.local.lora import TARGETS, LoRA, LoRAOptions
@@ -19,6 +18,7 @@ from rllm_async.backends.local.model import Transformer, build_model, preset_con
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.cli import main as cli
 from rllm_async.config import ConfigError, config_from_dict
+from rllm_async.protocols import SamplingParams
 from rllm_async.trainer import UnifiedTrainer
 from tests.backends.local.test_local_backend import make_config, sample_groups
 from tests.backends.local.test_local_sampler import full_forward_logprobs

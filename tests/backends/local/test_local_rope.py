@@ -13,11 +13,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from rllm_async.backends.base import SamplingParams  # noqa: E402
 from rllm_async.backends.local import LocalBackend  # noqa: E402
 from rllm_async.backends.local.hf import load_checkpoint  # noqa: E402
 from rllm_async.backends.local.model import load_model  # noqa: E402
 from rllm_async.config import config_from_dict  # noqa: E402
+from rllm_async.protocols import SamplingParams  # noqa: E402
 from tests.backends.local.test_local_hf import save_tokenizer  # noqa: E402
 
 # Small pretraining contexts, so that every scaling changes some of a 16-wide head's frequencies.

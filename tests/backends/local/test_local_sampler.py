@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.local import LocalBackend
 from rllm_async.backends.local.cache import CacheView, KVCache
 from rllm_async.backends.local.model import Transformer
 from rllm_async.config import LossConfig, config_from_dict
+from rllm_async.protocols import Completion, SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 
@@ -303,8 +303,8 @@ def test_batched_sampling_follows_the_distribution_and_top_p() -> None:
 
     import torch
 
-    from rllm_async.backends.base import SamplingParams
     from rllm_async.backends.local.sampler import sample_tokens
+    from rllm_async.protocols import SamplingParams
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     rng = random.Random(0)
@@ -337,11 +337,11 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_batch() -> None:
 
     import torch
 
-    from rllm_async.backends.base import SamplingParams
     from rllm_async.backends.local.model import build_model, frozen_copy, preset_config
     from rllm_async.backends.local.sampler import Sampler
     from rllm_async.backends.local.snapshots import WeightStore
     from rllm_async.backends.toy_tokenizers import CharTokenizer
+    from rllm_async.protocols import SamplingParams
 
     tok = CharTokenizer()
     model = build_model(preset_config("tiny", tok.vocab_size), seed=0)

@@ -15,7 +15,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from rllm_async.backends.base import SamplingParams  # noqa: E402
 from rllm_async.backends.local import LocalBackend  # noqa: E402
 from rllm_async.backends.local.model import Transformer  # noqa: E402
 from rllm_async.backends.local.transformers_model import (  # noqa: E402
@@ -23,6 +22,7 @@ from rllm_async.backends.local.transformers_model import (  # noqa: E402
     max_positions,
 )
 from rllm_async.config import Config, ConfigError, config_from_dict  # noqa: E402
+from rllm_async.protocols import SamplingParams  # noqa: E402
 from rllm_async.types import Step, Trajectory, TrajectoryGroup  # noqa: E402
 from tests.backends.local.test_local_backend import resume_round_trip  # noqa: E402
 from tests.backends.local.test_local_hf import save_tokenizer  # noqa: E402

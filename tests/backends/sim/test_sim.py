@@ -12,7 +12,6 @@ import pytest
 
 from rllm_async import vclock
 from rllm_async.algorithms.sim_workload import sample_lengths
-from rllm_async.backends.base import Backend, SamplingParams
 from rllm_async.backends.sim import (
     WORKLOADS,
     SimBackend,
@@ -25,6 +24,7 @@ from rllm_async.backends.sim import (
     workload_config,
 )
 from rllm_async.config import ConfigError, LossConfig, config_from_dict
+from rllm_async.protocols import Backend, SamplingParams
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import TrajectoryGroup
 from rllm_async.workflows.sim import SimWorkflow, SimWorkflowError, synthetic_tasks

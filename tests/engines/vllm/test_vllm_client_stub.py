@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import torch
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local.backend import LocalOptions
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServerError, write_weights
 from rllm_async.engines.vllm.engine import VLLMEngine, VLLMOptions
+from rllm_async.protocols import SamplingParams
 from tests.engines.vllm.tiny_engine import start_engine
 
 ANSWER = {

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from rllm_async.algorithms.schedule import learning_rate
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.tinker.data import StepNormalizer, examples, loss_stats
 from rllm_async.backends.tinker.options import check_config, loss_fn_config
 from rllm_async.config import ConfigError, LossConfig, OptimConfig, config_from_dict, load_config
+from rllm_async.protocols import SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 try:

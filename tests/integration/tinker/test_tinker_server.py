@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.config import Config, ConfigError, config_from_dict
+from rllm_async.protocols import SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 tinker = pytest.importorskip("tinker")

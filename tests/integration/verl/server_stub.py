@@ -30,11 +30,11 @@ from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local.hf import load_checkpoint
 from rllm_async.backends.local.model import load_model
 from rllm_async.backends.local.sampler import Sampler
 from rllm_async.backends.local.snapshots import WeightStore
+from rllm_async.protocols import SamplingParams
 
 NAME = "vllm"
 

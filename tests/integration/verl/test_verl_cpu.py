@@ -13,8 +13,8 @@ import torch
 
 from rllm_async import UnifiedTrainer
 from rllm_async.backends import get_backend_factory
-from rllm_async.backends.base import SamplingParams
 from rllm_async.config import Config, config_from_dict
+from rllm_async.protocols import SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

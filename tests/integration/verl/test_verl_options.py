@@ -11,8 +11,8 @@ import pytest
 
 from rllm_async.backends.verl.options import check_config
 from rllm_async.config import Config, ConfigError, config_from_dict
-from rllm_async.workload_fit import engine_slots, shared_device
-from rllm_async.workload_record import Workload
+from rllm_async.plan.fit import engine_slots, shared_device
+from rllm_async.plan.record import Workload
 
 
 def make_config(coordinator: dict[str, Any] | None = None, **backend: Any) -> Config:

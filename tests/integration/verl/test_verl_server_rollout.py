@@ -21,10 +21,10 @@ import pytest
 import ray
 import server_stub  # registers the stand-in under verl's name `vllm`
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.verl.backend import VerlBackend
 from rllm_async.backends.verl.options import VerlOptions
 from rllm_async.config import config_from_dict, validate_options
+from rllm_async.protocols import SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]

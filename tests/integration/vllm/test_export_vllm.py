@@ -11,7 +11,6 @@ import httpx
 import pytest
 import torch
 
-from rllm_async.backends.base import Completion, SamplingParams, Tokenizer
 from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.backends.local.hf import load_checkpoint
 from rllm_async.backends.local.model import Transformer, preset_config
@@ -19,6 +18,7 @@ from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.cli import main
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServer
 from rllm_async.engines.vllm.server import SERVED_NAME
+from rllm_async.protocols import Completion, SamplingParams, Tokenizer
 from tests.test_export import our_model, trained_run
 
 CONTEXT = 64  # the runs' backend.max_seq_len, which the export declares as its context

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 from served import CONTEXT, make_server
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServerError, check_weights, write_weights
+from rllm_async.protocols import SamplingParams
 
 
 def group_members(pgid: int) -> list[int]:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from served import CONTEXT, hf_logprobs, metric
 
-from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServer, VLLMServerError
+from rllm_async.protocols import Completion, SamplingParams
 from rllm_async.rollout import RolloutContext
 
 # Served in float32: the server's logprobs of its own tokens match a float32 `transformers`

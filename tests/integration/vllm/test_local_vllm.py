@@ -18,10 +18,10 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServer, write_weights
 from rllm_async.gateway import Gateway
+from rllm_async.protocols import SamplingParams
 from rllm_async.rollout import RolloutContext
 
 REPO = Path(__file__).resolve().parents[3]

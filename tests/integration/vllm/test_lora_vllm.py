@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.local import LocalBackend
 from rllm_async.backends.local.model import frozen_copy
 from rllm_async.config import config_from_dict
+from rllm_async.protocols import SamplingParams
 from rllm_async.types import Step, Trajectory, TrajectoryGroup
 
 

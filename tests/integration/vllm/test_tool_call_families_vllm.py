@@ -7,9 +7,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.backends.hf_tokenizer import HFTokenizer
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServer
+from rllm_async.protocols import SamplingParams
 from rllm_async.rollout import RolloutContext
 from rllm_async.rollout.tool_parsers import HermesParser
 from tests.rollout.test_tool_call_families import CALC, HERMES_CALL, chatml

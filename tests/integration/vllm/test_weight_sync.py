@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file
 from served import CONTEXT, Reference, hf_logprobs, max_gap, wait_generating
 
-from rllm_async.backends.base import Completion, SamplingParams
 from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.config import CoordinatorConfig
 from rllm_async.coordinator import SyncCoordinator
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServer, write_weights
 from rllm_async.engines.vllm.engine import VLLMEngine, VLLMOptions
+from rllm_async.protocols import Completion, SamplingParams
 from rllm_async.rollout import RolloutContext
 from rllm_async.types import TrajectoryGroup
 

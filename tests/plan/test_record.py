@@ -9,10 +9,8 @@ import pytest
 
 from rllm_async.backends.sim import workload_config
 from rllm_async.config import Config
-from rllm_async.trainer import UnifiedTrainer
-from rllm_async.types import Episode, Step, Trajectory
-from rllm_async.workload_fit import fit
-from rllm_async.workload_record import (
+from rllm_async.plan.fit import fit_workload
+from rllm_async.plan.record import (
     FILE_NAME,
     OFFSETS,
     KeptGroup,
@@ -21,6 +19,8 @@ from rllm_async.workload_record import (
     read_workload,
     write_workload,
 )
+from rllm_async.trainer import UnifiedTrainer
+from rllm_async.types import Episode, Step, Trajectory
 
 
 def _episode(tokens: int, turns: int = 1) -> Episode:
@@ -246,6 +246,6 @@ def test_a_runs_time_outside_model_calls_is_recorded_and_the_plan_replays_it(
     workload = read_workload(tmp_path)
     assert workload.rollouts
     assert all(r.tool_s == pytest.approx(2.0) for r in workload.rollouts)
-    (said,) = [m for m in fit(workload).measured if "outside model calls" in m]
+    (said,) = [m for m in fit_workload(workload).measured if "outside model calls" in m]
     outside = 2.0 * len(workload.rollouts) / sum(r.end - r.start for r in workload.rollouts)
     assert f"{outside:.0%} of the rollouts' time, replayed per rollout" in said

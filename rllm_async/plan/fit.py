@@ -6,8 +6,8 @@ what it measured and what it assumed, in words.
 Where generation and training shared one device, each slows the other, and a record shows the
 speeds of its own mode's overlap only. Its own mode is replayed as recorded; the other mode (sync
 from an async record, async from a sync one) from the speeds each has alone and the shares of them
-each keeps beside the other (`Fit.other`). Given a record of the same job in the other mode (a
-twin), that mode is replayed from the twin's own fit instead."""
+each keeps beside the other (`FittedWorkload.other`). Given a record of the same job in the other
+mode (a twin), that mode is replayed from the twin's own fit instead."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import numpy as np
 
 from rllm_async.backends import get_backend_factory
 from rllm_async.config import ConfigError
+from rllm_async.plan.record import OFFSETS, RolloutRow, StepRow, Workload
 from rllm_async.workflows.sim import RecordedGroup, RecordedRollout
-from rllm_async.workload_record import OFFSETS, RolloutRow, StepRow, Workload
 
 DEFAULT_N_HALF = 64.0
 # On a device shared by generation and training, the share of its speed each keeps beside the
@@ -34,7 +34,7 @@ ALONE_OR_NOT = "training seconds per token are what this run measured, beside ge
 
 
 @dataclass
-class Fit:
+class FittedWorkload:
     """A sim workload fitted to a record: the sim backend's options and the recorded groups."""
 
     groups: list[RecordedGroup]
@@ -54,18 +54,18 @@ class Fit:
     shared_device: bool | None = None  # None: the record does not say
     # The fit that replays the other mode than the recorded one: a twin record's, or where the
     # device was shared, this record's speeds alone and the shares each keeps beside the other.
-    other: Fit | None = None
+    other: FittedWorkload | None = None
 
     @property
     def lengths(self) -> list[int]:
         """The recorded completion lengths the replay draws from, sorted."""
         return sorted(r.completion for g in self.groups for r in g.rollouts)
 
-    def for_mode(self, mode: str) -> Fit:
+    def for_mode(self, mode: str) -> FittedWorkload:
         """The fit to replay `mode` with: this one, or `other` for the other mode."""
         return self.other if self.other is not None and mode != self.meta["mode"] else self
 
-    def scaled(self, servers: float = 1.0, batch: float = 1.0) -> Fit:
+    def scaled(self, servers: float = 1.0, batch: float = 1.0) -> FittedWorkload:
         """This workload with `servers` times the rollout servers and `batch` times the groups."""
         meta = dict(self.meta)
         meta["max_concurrency"] = max(1, round(meta["max_concurrency"] * servers))
@@ -81,7 +81,7 @@ class Fit:
                 f"{batch:g}x groups per step: training time grows with the tokens, "
                 "optimizer-step and weight-sync times stay as measured"
             )
-        return Fit(
+        return FittedWorkload(
             self.groups,
             self.rmax * servers,
             self.n_half * servers,
@@ -100,7 +100,7 @@ class Fit:
             None if self.other is None else self.other.scaled(servers, batch),
         )
 
-    def on_devices(self, gen: float, train: float) -> Fit:
+    def on_devices(self, gen: float, train: float) -> FittedWorkload:
         """This workload with generation and training each on devices of its own, `gen` and
         `train` times the devices each had in the record: the decode rate and concurrency scale
         with `gen` (as `scaled`), training tokens/s with `train`, from the speeds each had alone
@@ -115,7 +115,7 @@ class Fit:
             "training tokens/s with the second (perfect data parallelism), optimizer-step and "
             "weight-sync times stay as measured, and neither slows the other",
         ]
-        return Fit(
+        return FittedWorkload(
             self.groups,
             alone.rmax * gen,
             self.n_half * gen,
@@ -134,14 +134,16 @@ class Fit:
         )
 
 
-def fit(workload: Workload, twin: Workload | None = None, twin_name: str = "the twin") -> Fit:
+def fit_workload(
+    workload: Workload, twin: Workload | None = None, twin_name: str = "the twin"
+) -> FittedWorkload:
     """Fit the sim backend's parameters to a recorded workload; with `twin`, a record of the same
     job in the other mode (named `twin_name` in what is measured and assumed), that mode is
     replayed from the twin's own fit rather than modelled from this record."""
     if twin is None:
-        return _fit(workload, model_other_mode=True)
-    own = _fit(workload, model_other_mode=False)
-    other = _fit(twin, model_other_mode=False)
+        return _fit_record(workload, model_other_mode=True)
+    own = _fit_record(workload, model_other_mode=False)
+    other = _fit_record(twin, model_other_mode=False)
     mine, theirs = own.meta, other.meta
     if mine["mode"] == theirs["mode"]:
         raise ConfigError(
@@ -162,9 +164,9 @@ def fit(workload: Workload, twin: Workload | None = None, twin_name: str = "the 
     return own
 
 
-def _fit(workload: Workload, *, model_other_mode: bool) -> Fit:
-    """`fit` of one record; with `model_other_mode`, `Fit.other` from its own speeds where the
-    device was shared, and an "assumed" line where the record cannot tell."""
+def _fit_record(workload: Workload, *, model_other_mode: bool) -> FittedWorkload:
+    """`fit_workload` of one record; with `model_other_mode`, `FittedWorkload.other` from its own
+    speeds where the device was shared, and an "assumed" line where the record cannot tell."""
     rows = [r for r in workload.rollouts if r.completion > 0 and r.end > r.start]
     steps = workload.steps
     if not rows or not steps:
@@ -269,7 +271,7 @@ def _fit(workload: Workload, *, model_other_mode: bool) -> Fit:
         if n > 1
         else steps[0].end - float(meta.get("start", 0.0))
     )
-    own = Fit(
+    own = FittedWorkload(
         groups=groups,
         rmax=rmax,
         n_half=n_half,
@@ -382,7 +384,7 @@ def _overlap(rows: list[RolloutRow], n_half: float) -> float:
     return train / total if total > 0 else 0.0
 
 
-def _other_mode(own: Fit, steps: list[StepRow], overlap: float) -> Fit:
+def _other_mode(own: FittedWorkload, steps: list[StepRow], overlap: float) -> FittedWorkload:
     """The fit replaying the other mode than the recorded one on a shared device: the decode
     rate and training's speed alone and the share each keeps beside the other, measured where
     the record saw each both alone and beside the other, else assumed; its measured and assumed
@@ -437,7 +439,7 @@ def _other_mode(own: Fit, steps: list[StepRow], overlap: float) -> Fit:
             "time ran beside rollouts, too uniformly to tell that share from its speed alone); "
             f"{train_rate:.0f} tok/s alone follows"
         )
-    return Fit(
+    return FittedWorkload(
         own.groups,
         rmax,
         own.n_half,

@@ -1,4 +1,8 @@
-"""The protocols every backend implements, and the small value types they exchange."""
+"""The protocols the loop, the backends and the rollout engines share, and the small value types
+they exchange: `Backend` and `BackendFactory` (what a backend implements), `PolicyClient` and
+`Tokenizer` (what rollouts sample from, whichever backend or engine serves them), `SamplingParams`,
+`Completion` and `BackendError`. It lies below both `rllm_async.backends` and
+`rllm_async.engines`, so that neither imports the other to reach it."""
 
 from __future__ import annotations
 

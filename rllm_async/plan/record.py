@@ -15,6 +15,9 @@ training shares the engine's processors. Each step also carries its forward-back
 the part of each during which a model call ran (`calls`), from which the learner's own slowdown
 beside generation is fitted, and the run's `config.yaml` beside the record tells whether its
 backend runs generation and training on one device.
+
+The trainer imports this module, and no other of the planner: it imports nothing of the fit, the
+replay or the simulator (`fit.py`, `replay.py`, `simulate.py`), which lie above the trainer.
 """
 
 from __future__ import annotations

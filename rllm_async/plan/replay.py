@@ -1,7 +1,8 @@
 """`rllm-async plan`: fit a sim workload to a recorded run, replay candidate settings, recommend one.
 
-The replay is the real trainer on the sim backend's virtual clock, on the workload that
-`workload_fit.py` fits to the record (what it measured and assumed: `Fit.measured`, `Fit.assumed`).
+The replay is the real trainer on the sim backend's virtual clock (`simulate.run_config`), on the
+workload that `fit.py` fits to the record (what it measured and assumed:
+`FittedWorkload.measured`, `FittedWorkload.assumed`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import numpy as np
 
 from rllm_async.backends.sim import ps_rate
 from rllm_async.config import Config, ConfigError, load_config
-from rllm_async.simulate import run_config
+from rllm_async.plan.fit import FittedWorkload, fit_workload
+from rllm_async.plan.record import read_workload
+from rllm_async.plan.simulate import run_config
 from rllm_async.workflows.sim import SimWorkflow
-from rllm_async.workload_fit import Fit, fit
-from rllm_async.workload_record import read_workload
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class Candidate:
         return f"d={self.pipeline_depth} K={k}{policy}"
 
 
-def sim_config(f: Fit, c: Candidate, steps: int, seed: int, quiet: list[str]) -> Config:
+def sim_config(f: FittedWorkload, c: Candidate, steps: int, seed: int, quiet: list[str]) -> Config:
     """The sim Config replaying `f` under candidate `c` for `steps` optimizer steps."""
     meta = f.meta
     groups = int(meta["groups_per_step"])
@@ -89,24 +90,24 @@ def sim_config(f: Fit, c: Candidate, steps: int, seed: int, quiet: list[str]) ->
     return load_config(overrides=[*quiet, *filtering], defaults=defaults)
 
 
-def workflow(f: Fit, seed: int = 0) -> SimWorkflow:
+def workflow(f: FittedWorkload, seed: int = 0) -> SimWorkflow:
     """The sim workflow drawing a recorded group per task: its lengths, and its filtering."""
     return SimWorkflow(groups=f.groups, seed=seed, filter_rate=f.filter_rate)
 
 
-def replay(f: Fit, c: Candidate, steps: int, seed: int = 0) -> dict[str, Any]:
+def replay(f: FittedWorkload, c: Candidate, steps: int, seed: int = 0) -> dict[str, Any]:
     """Replay candidate `c` on the fitted workload (`f.for_mode(c.mode)`: on a shared device the
     other mode than the recorded one has speeds of its own); its figures, time per step first."""
     f = f.for_mode(c.mode)
     out = run_config(lambda quiet: sim_config(f, c, steps, seed, quiet), workflow(f, seed))
     n = out["steps"]
-    # After the first step, as `fit` measures the recorded run.
+    # After the first step, as `fit_workload` measures the recorded run.
     step_s = (out["time_s"] - out["first_step_s"]) / (n - 1) if n > 1 else out["time_s"]
     return {"step_s": step_s, **out}
 
 
 def candidates(
-    f: Fit,
+    f: FittedWorkload,
     depths: Sequence[int] = (1, 2, 4, 8),
     bounds: Sequence[str] = ("none", "d", "2d"),
     policies: Sequence[str] = ("requeue",),
@@ -135,7 +136,7 @@ def _bound(spec: str, d: int) -> int | None:
     return max(d, int(spec))
 
 
-def recorded_candidate(f: Fit) -> Candidate:
+def recorded_candidate(f: FittedWorkload) -> Candidate:
     """The setting the record was made under."""
     m = f.meta
     sync = m["mode"] == "sync"
@@ -163,7 +164,7 @@ def recommend(
 
 
 def replay_rows(
-    f: Fit, settings: Sequence[Candidate], steps: int, seed: int = 0
+    f: FittedWorkload, settings: Sequence[Candidate], steps: int, seed: int = 0
 ) -> list[dict[str, Any]]:
     """Replay each setting on `f`: one row of figures each, with its speedup over the first
     classic sync among them. A setting given twice (the recorded one is often among the
@@ -200,7 +201,7 @@ def replay_rows(
 
 
 def device_splits(
-    f: Fit,
+    f: FittedWorkload,
     devices: int,
     recorded: tuple[int, int],
     steps: int,
@@ -257,9 +258,9 @@ def plan(
         )
     workload = read_workload(run_dir)
     if twin is None:
-        f = fit(workload)
+        f = fit_workload(workload)
     else:
-        f = fit(workload, read_workload(twin), f"the twin record {twin}")
+        f = fit_workload(workload, read_workload(twin), f"the twin record {twin}")
     f = f.scaled(scale_servers, scale_batch)
     n = steps if steps is not None else min(60, max(1, len(workload.steps)))
     twin_fit = f.other if twin is not None else None

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from rllm_async.backends.base import SamplingParams
+from rllm_async.protocols import SamplingParams
 
 
 def test_updated_applies_the_changes_and_keeps_the_rest() -> None:
