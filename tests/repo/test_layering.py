@@ -10,9 +10,11 @@ from types import ModuleType
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+
 
 def _load_script() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "scripts" / "import_graph.py"
+    path = ROOT / "scripts" / "import_graph.py"
     spec = importlib.util.spec_from_file_location("import_graph", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -46,7 +48,7 @@ def _imports_of(*prefixes: str) -> set[tuple[str, str]]:
 def _diagram() -> tuple[list[list[str]], list[str], str]:
     """The layers docs/architecture.md draws: the core's lines from the top, the concrete parts,
     and the highest of the core's lines that the concrete parts may import."""
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    doc = (ROOT / "docs" / "architecture.md").read_text()
     block = doc.split("## Layers", 1)[1].split("```", 2)[1]
     # Each line: its layers, then (after two spaces or more) what they are.
     lines = [re.split(r"\s{2,}", line.strip())[0] for line in block.strip().split("\n")]

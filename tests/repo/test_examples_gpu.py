@@ -25,7 +25,7 @@ from rllm_async.backends.verl.options import check_config
 from rllm_async.config import Config, ConfigError, load_config, validate_options
 from rllm_async.data import load_tasks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU_EXAMPLES = ROOT / "examples" / "gpu"
 NAMES = ("qwen3_0.6b_local.yaml", "qwen3_0.6b_local_vllm.yaml", "qwen3_1.7b_verl.yaml")
 

@@ -11,6 +11,8 @@ from pydantic import BaseModel
 
 from rllm_async.config import Config, DatasetConfig
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+
 
 def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     out = []
@@ -32,18 +34,17 @@ def keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def test_every_config_key_is_documented() -> None:
-    doc = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    doc = (ROOT / "docs" / "config.md").read_text()
     missing = [k for k in keys(Config) if f"`{k}`" not in doc]
     assert not missing, f"undocumented config keys: {missing}"
 
 
 def test_the_architecture_page_shows_the_current_import_graph() -> None:
-    root = Path(__file__).parents[1]
     graph = subprocess.run(
-        [sys.executable, str(root / "scripts" / "import_graph.py")],
+        [sys.executable, str(ROOT / "scripts" / "import_graph.py")],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
-    doc = (root / "docs" / "architecture.md").read_text()
+    doc = (ROOT / "docs" / "architecture.md").read_text()
     assert f"```text\n{graph}\n```" in doc, "run `python scripts/import_graph.py` and paste it"
