@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from rllm_async.backends.base import SamplingParams
 from rllm_async.config import ConfigError
-from rllm_async.rollout import RolloutContext
+from rllm_async.protocols import SamplingParams
+from rllm_async.rollout import RolloutContext, SyncPause
 from rllm_async.rollout.reply_parser import reply_parser
 from rllm_async.runner import Rollout, build_workflow, configured_parser, run_rollout
 from rllm_async.types import Episode
@@ -23,10 +23,6 @@ from tests.fakes import FakePolicy, ScriptedWorkflow, make_config
 
 TASK = {"id": "t0", "prompt": "task 0"}
 TOKENS = 3  # FakePolicy's completions
-
-
-async def _open() -> None:
-    return None
 
 
 class Attempts(Workflow):
@@ -61,7 +57,7 @@ def rollout(
     timeout_s: float = 10.0,
     retries: int = 0,
     pin: bool = True,
-    wait_unpaused: Callable[[], Awaitable[None]] = _open,
+    pause: SyncPause | None = None,
     **kwargs: Any,
 ) -> tuple[Rollout, list[dict[str, float]]]:
     """`run_rollout` of TASK on the virtual clock: what it came to, and every report it made."""
@@ -75,7 +71,7 @@ def rollout(
             pin=pin,
             timeout_s=timeout_s,
             retries=retries,
-            wait_unpaused=wait_unpaused,
+            pause=pause or SyncPause(),
             report=reports.append,
             **kwargs,
         ),
