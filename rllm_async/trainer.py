@@ -101,7 +101,8 @@ class UnifiedTrainer:
             backend.on_policy_updated,
             updates_per_batch=config.train.updates_per_batch,
         )
-        self.records: list[dict[str, float]] = []  # of every fit, each added as it ends
+        self._ended: list[dict[str, float]] = []  # the records of the fits that ended
+        self._fit: _Fit | None = None  # the running fit
         self.interrupted = False  # the last fit stopped at `interrupt()`
         self._stop: Callable[[], object] | None = None  # asks the running fit to stop
 
@@ -125,7 +126,7 @@ class UnifiedTrainer:
     async def fit(self) -> list[dict[str, float]]:
         """Train until `train.total_steps` (or the end of the data, or `interrupt()`); returns the
         step records."""
-        fit = self._set_up()
+        fit = self._fit = self._set_up()
         loop = asyncio.get_running_loop()
         self.interrupted = False
         try:
@@ -141,9 +142,16 @@ class UnifiedTrainer:
             try:
                 await fit.close()
             finally:
-                self.records.extend(fit.record.records)
+                self._ended.extend(fit.record.records)
+                self._fit = None
                 self.interrupted = fit.interrupted
         return self.records
+
+    @property
+    def records(self) -> list[dict[str, float]]:
+        """Every step record written so far: of the fits that ended, then of the running one."""
+        running = self._fit.record.records if self._fit is not None else []
+        return [*self._ended, *running]
 
     def interrupt(self) -> bool:
         """Stop the running fit as soon as it can: it writes a checkpoint of its last optimizer

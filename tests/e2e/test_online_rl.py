@@ -83,7 +83,6 @@ def test_rewarded_episodes_are_trained_expired_and_refused_ones_are_not(tmp_path
     )
     trainer = online_trainer(config, host="127.0.0.1", port=0, api_key=KEY, model="policy")
     workflow = trainer.workflow
-    records = trainer.records
 
     async def go() -> None:
         fit = asyncio.create_task(trainer.fit())
@@ -95,8 +94,8 @@ def test_rewarded_episodes_are_trained_expired_and_refused_ones_are_not(tmp_path
         forgotten = await client.episode("add", ttl_s=2.0)
         for sid, value in ((add[0]["id"], 0.25), (add[1]["id"], 1.0)):
             assert (await client.reward(sid, {"reward": value})).status_code == 200
-        await until(lambda: len(records) == 1, "the first step")
-        first = records[0]
+        await until(lambda: len(trainer.records) == 1, "the first step")
+        first = trainer.records[0]
         assert first["policy_version"] == 1 and first["train/groups"] == 1
         assert first["groups/consumed"] == 1 and first["groups/dropped_stale"] == 0
         assert first["reward/mean"] == 0.625  # exactly the two rewarded episodes
@@ -129,7 +128,7 @@ def test_rewarded_episodes_are_trained_expired_and_refused_ones_are_not(tmp_path
             assert (answer.status_code, error["code"]) == (status, code), (body, error)
             assert error["message"] and error["type"]
         await asyncio.sleep(0.3)
-        assert len(records) == 1 and trainer.coordinator.version == 1
+        assert len(trainer.records) == 1 and trainer.coordinator.version == 1
         assert workflow.groups.pending == pending == 0  # type: ignore[attr-defined]
 
         # The version-0 group rewarded now is one step too stale: dropped, counted, not trained.
@@ -142,6 +141,7 @@ def test_rewarded_episodes_are_trained_expired_and_refused_ones_are_not(tmp_path
         await asyncio.wait_for(fit, 120)
 
     asyncio.run(go())
+    records = trainer.records
     assert [r["policy_version"] for r in records] == [1, 2]
     second = records[1]
     assert second["groups/dropped_stale"] == 1 and second["groups/consumed"] == 1
