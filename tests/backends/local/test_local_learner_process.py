@@ -173,9 +173,11 @@ def test_a_learner_process_killed_fails_its_call_at_once_naming_the_signal(
                     await asyncio.sleep(0.01)
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
+        # The bounds only catch a hang: the pipe's end-of-file fails the call once the child is
+        # gone (a child that is not noticed leaves it waiting for ever).
         with pytest.raises(RuntimeError, match=KILLED):
-            await asyncio.wait_for(call, 10)
-        assert time.monotonic() - killed < 10
+            await asyncio.wait_for(call, 60)
+        assert time.monotonic() - killed < 60
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # reaped
         with pytest.raises(RuntimeError, match="killed by SIGKILL"):
