@@ -62,7 +62,9 @@ def train(tmp_path: Path, name: str, advantage: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines]
 
 
-@pytest.mark.timeout(600)  # with a cold warm-start cache, about 150 s on two idle cores
+# Only catches a hang: with a cold warm-start cache, about 150 s on two idle cores and over 600 s
+# beside other work (load average 7).
+@pytest.mark.timeout(2400)
 def test_the_tool_agent_learns_from_the_reward_and_not_from_permuted_rewards(tmp_path) -> None:
     learned = train(tmp_path, "real", "grpo")
     start, end = mean_reward(learned[:3]), mean_reward(learned[-5:])

@@ -60,7 +60,8 @@ def test_refused_rewards_change_nothing() -> None:
     rewarded: list[Session] = []
 
     async def go() -> None:
-        policy = ScriptedPolicy(lambda prompt: "ok", delay_s=0.5)
+        policy = ScriptedPolicy(lambda prompt: "ok")
+        answer = asyncio.Event()  # set after the refusals: until then the busy call is in flight
         async with (
             serving(policy, on_reward=rewarded.append) as gateway,
             httpx.AsyncClient(base_url=gateway.url, headers=HEADERS, timeout=30) as http,
@@ -69,6 +70,13 @@ def test_refused_rewards_change_nothing() -> None:
             keyed = (await http.post("/sessions", json={"task": "a"})).json()["id"]
             await chat(http, keyed)
             busy = (await http.post("/sessions", json={})).json()["id"]
+            reply = policy.generate
+
+            async def held(*args: Any, **kwargs: Any) -> Any:
+                await answer.wait()
+                return await reply(*args, **kwargs)
+
+            policy.generate = held  # type: ignore[method-assign]
             in_flight = asyncio.create_task(chat(http, busy))
             while not gateway.sessions.get(busy).busy:
                 await asyncio.sleep(0.01)
@@ -87,6 +95,7 @@ def test_refused_rewards_change_nothing() -> None:
                 error = r.json()["error"]
                 assert (r.status_code, error["code"]) == (status, code), (body, error)
                 assert words in error["message"], error
+            answer.set()
             await in_flight
             assert len(gateway.sessions) == 3 and not rewarded
             assert gateway.sessions.get(keyed).reward is None

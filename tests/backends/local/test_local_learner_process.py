@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from rllm_async.backends.local import policy as policy_module
 from rllm_async.backends.local.learner_process import LearnerProcess, LearnerSpec
 from rllm_async.backends.local.model import build_model, preset_config
 from rllm_async.backends.toy_tokenizers import CharTokenizer
+from rllm_async.callbacks import Callback
 from rllm_async.config import OptimConfig
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.types import TrajectoryGroup
@@ -173,9 +173,11 @@ def test_a_learner_process_killed_fails_its_call_at_once_naming_the_signal(
                     await asyncio.sleep(0.01)
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
+        # The bounds only catch a hang: the pipe's end-of-file fails the call once the child is
+        # gone (a child that is not noticed leaves it waiting for ever).
         with pytest.raises(RuntimeError, match=KILLED):
-            await asyncio.wait_for(call, 10)
-        assert time.monotonic() - killed < 10
+            await asyncio.wait_for(call, 60)
+        assert time.monotonic() - killed < 60
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # reaped
         with pytest.raises(RuntimeError, match="killed by SIGKILL"):
@@ -253,6 +255,17 @@ def test_the_learner_process_leaves_ctrl_c_to_the_backend() -> None:
     asyncio.run(main())
 
 
+class CtrlCAfterAStep(Callback):
+    """Ctrl-C once, at the end of the first step: the run has trained when it is interrupted."""
+
+    sent = False
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+
 def test_an_interrupted_run_stops_its_learner_process(tmp_path: Path) -> None:
     cfg = make_config(
         {"learner": "process"},
@@ -272,10 +285,8 @@ def test_an_interrupted_run_stops_its_learner_process(tmp_path: Path) -> None:
         train={"total_steps": 10_000, "groups_per_step": 2},
         logging={"progress_bar": False},
     )
-    trainer = UnifiedTrainer(cfg)
+    trainer = UnifiedTrainer(cfg, callbacks=[CtrlCAfterAStep()])
     pid = learner_pid(trainer.backend)
-    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
     with ctrl_c_raises(), pytest.raises(KeyboardInterrupt):
         trainer.run()
     assert trainer.records, "it trained before the interrupt"
