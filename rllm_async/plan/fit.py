@@ -7,7 +7,11 @@ Where generation and training shared one device, each slows the other, and a rec
 speeds of its own mode's overlap only. Its own mode is replayed as recorded; the other mode (sync
 from an async record, async from a sync one) from the speeds each has alone and the shares of them
 each keeps beside the other (`FittedWorkload.other`). Given a record of the same job in the other
-mode (a twin), that mode is replayed from the twin's own fit instead."""
+mode (a twin), that mode is replayed from the twin's own fit instead.
+
+Past 400 lines because each parameter's fit sits beside the words saying what it measured or
+assumed, and the two modes' speeds are fitted from the same rows.
+"""
 
 from __future__ import annotations
 

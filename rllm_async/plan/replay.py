@@ -2,7 +2,8 @@
 
 The replay is the real trainer on the sim backend's virtual clock (`simulate.run_config`), on the
 workload that `fit.py` fits to the record (what it measured and assumed:
-`FittedWorkload.measured`, `FittedWorkload.assumed`).
+`FittedWorkload.measured`, `FittedWorkload.assumed`). Past 400 lines because the candidates, their
+replay and the report that compares them to the record share one set of settings, read in one place.
 """
 
 from __future__ import annotations
