@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,14 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
+
+    def tokenizer_json(self) -> str:
+        """The fast tokenizer as `tokenizer.json` text, added tokens included (what the grammar
+        engine reads each token's bytes from: `rllm_async.grammar`)."""
+        backend = copy.copy(self._tok.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return str(backend.to_str())
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))

@@ -38,6 +38,14 @@ class CharTokenizer:
         """Characters to ids; characters outside printable ASCII become `<unk>`."""
         return [self._ids.get(ch, self.unk_token_id) for ch in text]
 
+    @property
+    def special_ids(self) -> range:
+        return range(len(SPECIALS))
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's text as bytes (the grammar engine's view of the vocabulary)."""
+        return [token.encode() for token in self.vocab]
+
     def decode(self, ids: Sequence[int]) -> str:
         """Ids to text, skipping special tokens (so a reply decodes without its `<|end|>`)."""
         n = len(SPECIALS)
@@ -144,9 +152,14 @@ class ByteTokenizer:
     """UTF-8 bytes as token ids 0-255 plus an end-of-sequence id: enough for a model-free policy."""
 
     eos_token_id = 256
+    special_ids = (256,)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
+
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes (the grammar engine's view of the vocabulary)."""
+        return [bytes([i]) for i in range(256)] + [b"<eos>"]
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode(errors="replace")
