@@ -6,10 +6,10 @@ then `python -m pytest -m slow tests/e2e/test_smollm2_learning.py` (about 13 min
 with native bfloat16). Both arms start from the same model and are scored on the same held-out
 problems, greedy, by the true answer, at the start and every EVAL_EVERY steps; an arm's score is
 its best after training, as a run keeps its best checkpoint (one RL run's curve wanders: the real
-arm has read 0.34 and 0.43 at step 16 from the same 0.305). The real arm is rewarded for the answer; the control's
-rewards are permuted: a reply in the answer format earns the full reward by a coin of the same
-rate as the untrained model's right answers, whatever its number, so the control trains as often,
-on rewards of the same spread, that say nothing about the arithmetic.
+arm has read 0.34 and 0.43 at step 16 from the same 0.305). The real arm is rewarded for the
+answer; the control's rewards are permuted: a reply in the answer format earns the full reward by
+a coin of the same rate as the untrained model's right answers, whatever its number, so the
+control trains as often, on rewards of the same spread, that say nothing about the arithmetic.
 """
 
 from __future__ import annotations
