@@ -11,7 +11,6 @@ of microseconds on a CPU and releases the GIL while it does (docs/constrained_de
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,9 @@ JSON_OPTIONS: JsonCompileOptions = {
     "key_separator": ": ",
     "lenient": True,
 }
+
+
+MAX_COMPILED = 256  # constraints kept compiled per tokenizer, the oldest dropped first
 
 
 class ConstraintError(ValueError):
@@ -75,18 +77,24 @@ class Grammars:
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
+        # The tokens a complete grammar allows: the sampler's stop ids, else the tokenizer's eos.
+        eos = list(stop_ids) or [tokenizer.eos_token_id]
         self._tokenizer = llguidance.LLTokenizer(
-            _wrap(tokenizer), n_vocab=vocab_size, eos_token=list(stop_ids)
+            _wrap(tokenizer), n_vocab=vocab_size, eos_token=eos
         )
         self._words = (vocab_size + 31) // 32
-        self._compiled = functools.lru_cache(maxsize=256)(self._compile)
+        # Each constraint's matcher at the start of a reply, by the constraint's text.
+        self._starts: dict[str, llguidance.LLMatcher] = {}
 
     def matcher(self, structured: str) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of a reply under `structured`; raises `ConstraintError`."""
-        matcher = llguidance.LLMatcher(self._tokenizer, self._compiled(structured), log_level=0)
-        if matcher.is_error():
-            raise ConstraintError(f"the constraint does not compile: {matcher.get_error()}")
-        return matcher
+        """A fresh matcher at the start of a reply under `structured`; raises `ConstraintError`.
+        The first of a constraint compiles it (up to milliseconds; off the decode thread in the
+        sampler), later ones copy that one's start (under a microsecond)."""
+        return self._start(structured).deep_copy()
+
+    def compiled(self, structured: str) -> bool:
+        """Whether `matcher(structured)` is a copy already (no compilation)."""
+        return structured in self._starts
 
     def new_bitmask(self, rows: int) -> torch.Tensor:
         """An all-allowed int32 bitmask [rows, words] for `fill`."""
@@ -109,12 +117,20 @@ class Grammars:
                 break
         return masks
 
-    def _compile(self, structured: str) -> str:
-        grammar = grammar_text(structured)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise ConstraintError(f"the constraint does not compile: {error}")
-        return grammar
+    def _start(self, structured: str) -> llguidance.LLMatcher:
+        start = self._starts.get(structured)
+        if start is None:
+            grammar = grammar_text(structured)
+            error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+            if error and not error.startswith("WARNING"):
+                raise ConstraintError(f"the constraint does not compile: {error}")
+            start = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+            if start.is_error():
+                raise ConstraintError(f"the constraint does not compile: {start.get_error()}")
+            if len(self._starts) >= MAX_COMPILED:
+                self._starts.pop(next(iter(self._starts)))  # the oldest
+            self._starts[structured] = start
+        return start
 
 
 def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -133,11 +133,16 @@ class Sampler:
                 f"prompt of {len(prompt_ids)} tokens leaves no room in max_seq_len "
                 f"{self.max_seq_len}: shorten the prompt or raise backend.max_seq_len"
             )
-        # A constraint compiles here, on a worker thread (llguidance releases the GIL), not on the
-        # decode thread: a new schema never stalls the batch. A bad one raises `ConstraintError`.
+        # A new constraint compiles here, on a worker thread (llguidance releases the GIL), not on
+        # the decode thread: a new schema never stalls the batch. A bad one raises
+        # `ConstraintError`. A constraint seen before starts as a copy of its first matcher.
         matcher = None
         if params.structured is not None:
-            matcher = await asyncio.to_thread(self.grammars().matcher, params.structured)
+            grammars = self._grammars or await asyncio.to_thread(self.grammars)
+            if grammars.compiled(params.structured):
+                matcher = grammars.matcher(params.structured)
+            else:
+                matcher = await asyncio.to_thread(grammars.matcher, params.structured)
         pinned = self.store.get(version) if version is not None else None
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         future = asyncio.get_running_loop().create_future()
