@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,9 @@ class SingleTurnWorkflow(Workflow):
     `episode/reward/<name>`. A reward function parses the text, never executes it.
 
     A task's prompt is a string, or a list of chat messages (the conversational format) used as
-    the opening chat itself.
+    the opening chat itself. With `json_schema`, the reply is sampled under that JSON schema
+    (constrained decoding: docs/constrained_decoding.md), so every reply parses and the reward
+    can judge its content alone.
     """
 
     def __init__(
@@ -31,14 +34,18 @@ class SingleTurnWorkflow(Workflow):
         reward_fn: str | RewardFn | list[Any],
         prompt_key: str = "prompt",
         system_prompt: str | None = None,
+        json_schema: dict[str, Any] | None = None,
     ) -> None:
         self.rewards = load_rewards(reward_fn, "workflow.args.reward_fn")
         self.prompt_key = prompt_key
         self.system_prompt = system_prompt
+        self.sampling: dict[str, Any] = {}
+        if json_schema is not None:
+            self.sampling["structured"] = json.dumps({"json": json_schema})
 
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
         messages = task_messages(task, self.prompt_key, self.system_prompt)
-        reply = await ctx.chat(messages)
+        reply = await ctx.chat(messages, **self.sampling)
         reward, correct, parts = score_all(self.rewards, task, reply["content"])
         ctx.set_reward(reward)
         episode = ctx.build_episode(None)
