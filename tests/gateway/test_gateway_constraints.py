@@ -88,7 +88,7 @@ def test_a_forced_call_is_sampled_under_its_grammar() -> None:
             lark = json.loads(grammar or "{}")["grammar"]
             assert lark == HermesParser().forced_grammar(
                 "calc", {"calc": CALC["function"]["parameters"]}
-            )  # type: ignore[index]
+            )
             step = session.ctx.trajectory().steps[0]
             assert step.info["tool_choice"] == {"forced": "calc", "enforced": True}
             assert step.info["structured"] == grammar
