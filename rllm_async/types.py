@@ -44,12 +44,15 @@ class TokenSequence:
 
     `loss_mask[i]` is 1 for a model-sampled token and 0 for prompt, tool and environment tokens;
     `logprobs` and `versions` are meaningful only where the mask is 1 (0.0 and -1 elsewhere).
+    `constraints` are the spans `(start, end, structured)` of `tokens` sampled under a decoding
+    constraint (a step's completion): a learner scores them under the same grammar's masks.
     """
 
     tokens: list[int]
     loss_mask: list[int]
     logprobs: list[float]
     versions: list[int]
+    constraints: list[tuple[int, int, str]] = field(default_factory=list)
 
     @property
     def num_loss_tokens(self) -> int:
@@ -101,6 +104,10 @@ class Trajectory:
                 n = len(step.prompt_ids)
                 cur = TokenSequence(list(step.prompt_ids), [0] * n, [0.0] * n, [-1] * n)
                 out.append(cur)
+            structured = step.info.get("structured")
+            if structured is not None and step.completion_ids:
+                start = len(cur.tokens)
+                cur.constraints.append((start, start + len(step.completion_ids), structured))
             cur.tokens.extend(step.completion_ids)
             cur.loss_mask.extend([1] * len(step.completion_ids))
             cur.logprobs.extend(step.logprobs)

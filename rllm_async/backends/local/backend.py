@@ -113,6 +113,8 @@ class LocalBackend:
             lora=opts.lora,
             seed=seed,
             updates_per_batch=config.train.updates_per_batch,
+            tokenizer=tokenizer,
+            stop_ids=tuple(stop_ids),
         )
         # The learner's model, or in `process` mode this process's copy of its weights (adapters
         # merged), which each snapshot refreshes first.
@@ -139,7 +141,14 @@ class LocalBackend:
         else:
             self.store = WeightStore(0, inference_copy(model, self.device, self.dtype))
             policy = LocalPolicy.start(
-                self.store, tokenizer, stop_ids, opts, self.device, self.dtype, seed
+                self.store,
+                tokenizer,
+                stop_ids,
+                opts,
+                self.device,
+                self.dtype,
+                seed,
+                constrains_decoding=True,  # our learner replays the masks (learner.py)
             )
             self.sampler, self._policy = policy.sampler, policy
         self._train = concurrent.futures.ThreadPoolExecutor(

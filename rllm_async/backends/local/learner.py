@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,12 +23,13 @@ import torch
 
 from rllm_async.algorithms.losses import LossStats, policy_loss
 from rllm_async.algorithms.schedule import learning_rate
-from rllm_async.backends.local.logprobs import chunk_positions, packed_logprobs
+from rllm_async.backends.local.logprobs import Constraints, chunk_positions, packed_logprobs
 from rllm_async.backends.local.lora import LoRA
 from rllm_async.backends.local.model import Transformer
 from rllm_async.backends.local.packing import PackedBatch, pack
 from rllm_async.backends.local.transformers_model import Decoder
 from rllm_async.config import LossConfig, OptimConfig
+from rllm_async.grammar import Grammars
 from rllm_async.types import TokenSequence, TrajectoryGroup
 
 
@@ -53,6 +55,8 @@ class Learner:
         ref_model: Decoder | None = None,
         lora: LoRA | None = None,
         updates_per_batch: int = 1,
+        tokenizer: Any = None,
+        stop_ids: Sequence[int] = (),
     ) -> None:
         self.model = model
         self.ref_model = ref_model
@@ -74,6 +78,9 @@ class Learner:
         # Old logprobs of the current batch's sequences (by their tokens), and that batch's index.
         self._old: dict[tuple[int, ...], torch.Tensor] = {}
         self._old_batch = -1
+        # The sampler's grammar engine, remade here to replay the masks of constrained tokens.
+        self._tokenizer, self._stop_ids = tokenizer, list(stop_ids)
+        self._grammars: Grammars | None = None
 
     def forward_backward(self, groups: list[TrajectoryGroup], loss: LossConfig) -> dict[str, float]:
         """Accumulate the gradient of the summed loss of `groups`; return this batch's `loss/*`."""
@@ -102,8 +109,9 @@ class Learner:
                 share_prompts=self.model.shares_prompts,
             )
             mask = self._loss_mask(chunk, packed.width).to(self._device)
+            constraints = self._constraints(chunk, packed.width)
             with torch.no_grad(), self._autocast():
-                logprobs = self._logprobs(self.model, packed.to(self._device), mask)
+                logprobs = self._logprobs(self.model, packed.to(self._device), mask, constraints)
             for seq, row in zip(chunk, logprobs, strict=True):
                 self._old.setdefault(tuple(seq.tokens), row[: len(seq.tokens) - 1].clone())
 
@@ -179,12 +187,13 @@ class Learner:
         )
         packed = packed.to(self._device)
         mask, sampler_lp, adv = self._batch(rows, packed.width)
+        constraints = self._constraints(seqs, packed.width)
         with self._autocast():
-            logprobs = self._logprobs(self.model, packed, mask)
+            logprobs = self._logprobs(self.model, packed, mask, constraints)
             ref = None
             if self.ref_model is not None and loss.kl_coef > 0:
                 with torch.no_grad():
-                    ref = self._logprobs(self.ref_model, packed, mask)
+                    ref = self._logprobs(self.ref_model, packed, mask, constraints)
         old = None
         if loss.behaviour_logprobs == "recomputed":
             old = self._old_logprobs(seqs, logprobs.detach())
@@ -228,10 +237,40 @@ class Learner:
             old[i, : row.numel()] = row
         return old
 
-    def _logprobs(self, model: Decoder, packed: PackedBatch, mask: torch.Tensor) -> torch.Tensor:
+    def _logprobs(
+        self,
+        model: Decoder,
+        packed: PackedBatch,
+        mask: torch.Tensor,
+        constraints: Constraints | None,
+    ) -> torch.Tensor:
         """Logprobs of the tokens `mask` trains, in the unpacked [rows, width] next-token layout
         (zero elsewhere: every reader masks them), chunk by chunk of logits."""
-        return packed_logprobs(model, packed, mask, self.temperature, self._chunk)
+        return packed_logprobs(model, packed, mask, self.temperature, self._chunk, constraints)
+
+    def _constraints(self, seqs: list[TokenSequence], width: int) -> Constraints | None:
+        """The grammar masks of the constrained spans of `seqs`, replayed over their sampled tokens
+        (the masks the sampler drew them under); None when no span is constrained."""
+        dest: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
+        for row, seq in enumerate(seqs):
+            for start, end, structured in seq.constraints:
+                masks.append(self._grammar().sequence_masks(structured, seq.tokens[start:end]))
+                # Token j is predicted at column j - 1 of the next-token layout.
+                dest.append(torch.arange(start - 1, end - 1) + row * width)
+        if not dest:
+            return None
+        return Constraints(torch.cat(dest).to(self._device), torch.cat(masks))
+
+    def _grammar(self) -> Grammars:
+        if self._grammars is None:
+            if self._tokenizer is None:
+                raise ValueError(
+                    "a sequence was sampled under a decoding constraint, but this learner has no "
+                    "tokenizer to replay the grammar's masks with: build it with the sampler's"
+                )
+            self._grammars = Grammars(self._tokenizer, self.model.vocab_size, self._stop_ids)
+        return self._grammars
 
     @staticmethod
     def _loss_mask(seqs: list[TokenSequence], width: int) -> torch.Tensor:

@@ -55,6 +55,9 @@ class LearnerSpec:
     lora: LoRAOptions | None = None  # train adapters on the frozen model instead of the model
     seed: int = 0  # the adapters' initialisation
     updates_per_batch: int = 1  # optimizer steps per batch, for recomputed old logprobs
+    # The sampler's tokenizer and stop ids: the learner replays constrained tokens' grammar masks.
+    tokenizer: Any = None
+    stop_ids: tuple[int, ...] = ()
 
     def build(self, model: Decoder) -> Learner:
         """The learner, training `model` itself or, with `lora`, adapters on it."""
@@ -77,6 +80,8 @@ class LearnerSpec:
             ref_model=ref,
             lora=lora,
             updates_per_batch=self.updates_per_batch,
+            tokenizer=self.tokenizer,
+            stop_ids=self.stop_ids,
         )
 
 

@@ -22,11 +22,17 @@ class SamplerOptions(Protocol):
 
 
 class LocalPolicy:
-    """The `PolicyClient` over a `Sampler` and the `WeightStore` it samples from."""
+    """The `PolicyClient` over a `Sampler` and the `WeightStore` it samples from.
 
-    def __init__(self, sampler: Sampler, store: WeightStore) -> None:
+    `constrains_decoding`: the sampler enforces `SamplingParams.structured`; true where the learner
+    that trains on these samples applies the same masks (the local backend's), false under a
+    learner that cannot (verl's), so that a constraint is refused rather than trained inexactly.
+    """
+
+    def __init__(self, sampler: Sampler, store: WeightStore, *, constrains_decoding: bool) -> None:
         self.sampler = sampler
         self._store = store
+        self.constrains_decoding = constrains_decoding
 
     @classmethod
     def start(
@@ -38,6 +44,8 @@ class LocalPolicy:
         device: torch.device,
         dtype: torch.dtype,
         seed: int,
+        *,
+        constrains_decoding: bool,
     ) -> LocalPolicy:
         """Start a sampler's decode thread on `store`'s weights; the policy client over it."""
         sampler = Sampler(
@@ -51,7 +59,7 @@ class LocalPolicy:
             threads=opts.sampler_threads,
             seed=seed,
         )
-        return cls(sampler, store)
+        return cls(sampler, store, constrains_decoding=constrains_decoding)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -27,6 +27,7 @@ import torch
 from rllm_async.backends.local.cache import KVCache
 from rllm_async.backends.local.snapshots import WeightStore
 from rllm_async.backends.local.transformers_model import Decoder, TokenCache, TransformersModel
+from rllm_async.grammar import ConstraintError, Grammars, apply_bitmask
 from rllm_async.protocols import Completion, SamplingParams, Tokenizer
 
 # How much later than its arrival a queued request of priority 1 ranks (2 for priority 2...):
@@ -41,6 +42,7 @@ class _Request:
     max_new: int
     pinned: tuple[int, Decoder] | None  # a version and its weights; None: newest each step
     rng: random.Random  # this request's own stream: its samples do not depend on its batch-mates
+    matcher: Any  # the constraint's `llguidance.LLMatcher`, advanced by each token; None: free
     # Resolved on its caller's loop (`_deliver`). The decode thread only asks `cancelled()`, one
     # read of its state: a cancel it misses is seen at the next step.
     future: asyncio.Future[Completion]
@@ -62,7 +64,8 @@ class Sampler:
 
     Logprobs are those of the distribution tokens were drawn from after temperature and before
     top-p (the unscaled model at temperature 0), so a trainer that divides its logits by the same
-    temperature reproduces them.
+    temperature reproduces them. Under a constraint, that distribution is the masked one,
+    renormalized over the tokens the grammar allows; the learner applies the same masks.
     """
 
     def __init__(
@@ -86,6 +89,9 @@ class Sampler:
         self._device = device
         self._threads = threads
         self._seeds = random.Random(seed)
+        self._stop_list = list(stop_ids)
+        self._grammars: Grammars | None = None  # made at the first constrained request
+        self._vocab_size = model.vocab_size
         # Keys and values for our decoder; a transformers model reruns each slot's token ids.
         self._cache: KVCache | TokenCache
         if isinstance(model, TransformersModel):
@@ -127,6 +133,11 @@ class Sampler:
                 f"prompt of {len(prompt_ids)} tokens leaves no room in max_seq_len "
                 f"{self.max_seq_len}: shorten the prompt or raise backend.max_seq_len"
             )
+        # A constraint compiles here, on a worker thread (llguidance releases the GIL), not on the
+        # decode thread: a new schema never stalls the batch. A bad one raises `ConstraintError`.
+        matcher = None
+        if params.structured is not None:
+            matcher = await asyncio.to_thread(self.grammars().matcher, params.structured)
         pinned = self.store.get(version) if version is not None else None
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         future = asyncio.get_running_loop().create_future()
@@ -136,6 +147,7 @@ class Sampler:
             max_new=min(params.max_tokens, room),
             pinned=pinned,
             rng=random.Random(seed),
+            matcher=matcher,
             future=future,
         )
         with self._wake:
@@ -145,6 +157,12 @@ class Sampler:
             heapq.heappush(self._pending, (rank, next(self._arrivals), request))
             self._wake.notify()
         return await future
+
+    def grammars(self) -> Grammars:
+        """The grammar engine over this sampler's tokenizer and vocabulary (made once)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self._vocab_size, self._stop_list)
+        return self._grammars
 
     def close(self) -> None:
         """Stop the decode thread and fail whatever is still queued or running; idempotent."""
@@ -251,16 +269,44 @@ class Sampler:
         if not live:
             return
         requests = [group[i] for i in live]
+        logits = self._constrain(requests, logits[live])
+        failed = [
+            i for i, r in enumerate(requests) if r.matcher is not None and r.matcher.is_error()
+        ]
+        if failed:  # the grammar engine gave up (a resource limit): only those requests fail
+            for i in failed:
+                error = ConstraintError(
+                    f"constrained decoding failed: {requests[i].matcher.get_error()}"
+                )
+                self._finish(requests[i], error=error)
+            keep = [i for i in range(len(requests)) if i not in failed]
+            requests, logits = [requests[i] for i in keep], logits[keep]
+            if not requests:
+                return
         tokens, logprobs = sample_tokens(
-            logits[live], [r.params for r in requests], [r.rng.random() for r in requests]
+            logits, [r.params for r in requests], [r.rng.random() for r in requests]
         )
         for request, token, logprob in zip(requests, tokens, logprobs, strict=True):
+            if request.matcher is not None:
+                request.matcher.consume_token(token)
             request.ids.append(token)
             request.logprobs.append(logprob)
             request.versions.append(version)
             reason = self._finish_reason(request)
             if reason is not None:
                 self._finish(request, reason=reason)
+
+    def _constrain(self, requests: list[_Request], logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with each constrained request's row masked to what its grammar allows next."""
+        rows = [i for i, r in enumerate(requests) if r.matcher is not None]
+        if not rows:
+            return logits
+        grammars = self.grammars()
+        bitmask = grammars.new_bitmask(len(rows))
+        for k, i in enumerate(rows):
+            grammars.fill(requests[i].matcher, bitmask, k)
+        index = torch.tensor(rows)
+        return logits.index_copy(0, index, apply_bitmask(logits[index], bitmask))
 
     def _finish_reason(self, request: _Request) -> str | None:
         if request.ids[-1] in self._stop_ids:

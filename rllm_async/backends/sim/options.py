@@ -31,6 +31,12 @@ class SimOptions(BaseModel):
     # The share of its own speed training (and recomputing logprobs) keeps while generation
     # decodes beside it: 1 on devices of their own, below 1 where the two share one device.
     learner_share: float = Field(default=1.0, gt=0.0, le=1.0)
+    # Seconds a constrained token's grammar mask adds to its sequence (SamplingParams.structured):
+    # computed on the CPU beside the decode, it delays its own sequence and takes no decode rate
+    # from the others. The default, 60 us, is a placeholder: the mean of `Grammars.fill` on
+    # SmolLM2-135M's vocabulary (49,152 tokens) for a JSON schema and a forced tool call, one
+    # thread of a shared 2-core CPU (benchmarks/grammar_mask_cost.py; docs/constrained_decoding.md).
+    mask_s: float = Field(default=60e-6, ge=0.0)
     sync_fail_every: int = Field(default=0, ge=0)  # 0: never
     sync_hang_every: int = Field(default=0, ge=0)  # 0: never
     # The rollout-length distribution train_ratio is calibrated on; from_config takes any of

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import random
 from bisect import bisect_right
 
+from rllm_async.backends.sim.constrained import ConstrainedSampler
 from rllm_async.backends.sim.options import SimOptions
 from rllm_async.backends.sim.server import ProcessorSharing
 from rllm_async.backends.toy_tokenizers import ByteTokenizer
@@ -16,9 +19,19 @@ class SimPolicy:
 
     Token ids are 0 and logprobs -1.0. Tokens carry the version that produced them: the pinned
     one, or, with `version=None`, the versions in force while each token was decoded.
+
+    Under a constraint (`SamplingParams.structured`) the reply satisfies it: bytes drawn under
+    llguidance's masks (`constrained.py`; deterministic per `params.seed`, else per request in
+    order), ending with the end of sequence, or cut at `max_tokens`; each of its tokens adds
+    `mask_s` seconds of mask computation to its sequence.
     """
 
+    constrains_decoding = True
+
     def __init__(self, opts: SimOptions) -> None:
+        self.mask_s = opts.mask_s
+        self._constrained: ConstrainedSampler | None = None  # built at the first constraint
+        self._constrained_requests = 0
         self.engine = (
             ProcessorSharing(opts.rmax, opts.n_half, opts.slots) if opts.latency == "ps" else None
         )
@@ -71,6 +84,10 @@ class SimPolicy:
         if version is not None and version != self._version and version not in self._refs:
             raise ValueError(f"generate(version={version}): snapshot not held; acquire() it first")
         n = max(0, params.max_tokens)
+        ids, logprobs, finish = [0] * n, [-1.0] * n, "stop"
+        if params.structured is not None:
+            ids, logprobs, finish = self._constrained_reply(params, n)
+            n = len(ids)
         if self.engine is None or n == 0:
             versions = [self._version if version is None else version] * n
         else:
@@ -80,7 +97,23 @@ class SimPolicy:
             finally:
                 self.engine.cancel(job)
             versions = [version] * n if version is not None else self._token_versions(job.start, n)
-        return Completion(ids=[0] * n, logprobs=[-1.0] * n, versions=versions)
+            if params.structured is not None and self.mask_s > 0:
+                await asyncio.sleep(n * self.mask_s)
+        return Completion(ids=ids, logprobs=logprobs, versions=versions, finish_reason=finish)
+
+    def _constrained_reply(
+        self, params: SamplingParams, n: int
+    ) -> tuple[list[int], list[float], str]:
+        assert params.structured is not None
+        seed = params.seed if params.seed is not None else self._constrained_requests
+        self._constrained_requests += 1
+        return self._constrained_sampler().reply(params.structured, n, random.Random(seed))
+
+    def _constrained_sampler(self) -> ConstrainedSampler:
+        """The grammar engine of the sim's vocabulary, built at the first constraint."""
+        if self._constrained is None:
+            self._constrained = ConstrainedSampler(self._tokenizer)
+        return self._constrained
 
     def _token_versions(self, start: float, n: int) -> list[int]:
         # Token k is emitted when the level reaches start + k + 1; a change at level L reaches

@@ -32,8 +32,16 @@ class LocalRollout:
         self.device = torch.device(opts.sampler_device)
         self.dtype = DTYPES[opts.sampler_dtype]
         self.store = WeightStore(0, self._snapshot(ckpt.state))
+        # verl's actor recomputes logprobs without a grammar's masks: constraints are refused.
         self.policy = LocalPolicy.start(
-            self.store, ckpt.tokenizer, ckpt.stop_ids, opts, self.device, self.dtype, seed
+            self.store,
+            ckpt.tokenizer,
+            ckpt.stop_ids,
+            opts,
+            self.device,
+            self.dtype,
+            seed,
+            constrains_decoding=False,
         )
         self.sampler = self.policy.sampler
 

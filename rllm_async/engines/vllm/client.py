@@ -26,6 +26,7 @@ import httpx
 
 from rllm_async.engines.vllm.errors import VLLMServerError
 from rllm_async.engines.vllm.weights import check_weights
+from rllm_async.grammar import embedded_schema
 from rllm_async.protocols import Completion, SamplingParams, Tokenizer
 
 PauseMode = Literal["keep", "wait", "abort"]
@@ -85,9 +86,11 @@ class VLLMPolicy:
     meanwhile go to the other servers or wait for it; a server `recover` gives up on fails every
     later request at once with its error.
 
-    `SamplingParams.structured` goes to vLLM's structured outputs: the grammar masks the logits
-    before sampling, so the logprobs returned are those of the constrained distribution the
-    tokens were drawn from.
+    `SamplingParams.structured` goes to vLLM's structured outputs, which the servers must run on
+    llguidance (`--structured-outputs-config.backend guidance`, as `VLLMServer` starts them) for
+    a grammar to mean what it means on the local sampler: the grammar masks the logits before
+    sampling, so the logprobs returned are those of the masked, renormalized distribution the
+    tokens were drawn from (docs/constrained_decoding.md).
     """
 
     constrains_decoding = True
@@ -446,8 +449,22 @@ def _sampling(params: SamplingParams, max_tokens: int) -> dict[str, Any]:
     if params.seed is not None:
         out["seed"] = params.seed
     if params.structured is not None:
-        out["structured_outputs"] = json.loads(params.structured)
+        out["structured_outputs"] = structured_outputs(params.structured)
     return out
+
+
+def structured_outputs(structured: str) -> dict[str, Any]:
+    """vLLM's `structured_outputs` for the constraint `structured`. A JSON schema carries our
+    JSON whitespace options (`x-guidance`, which overrides the server's defaults), so that the
+    `guidance` backend compiles the very grammar the local sampler does (`grammar.grammar_text`);
+    regexes and Lark grammars go as they are."""
+    spec = json.loads(structured)
+    if isinstance(spec, dict) and len(spec) == 1:
+        if isinstance(spec.get("json"), dict):
+            return {"json": embedded_schema(spec["json"])}
+        if spec.get("json_object") is True:
+            return {"json": embedded_schema({"type": "object"})}
+    return dict(spec)
 
 
 def _parse_choice(url: str, body: Any) -> _Choice:

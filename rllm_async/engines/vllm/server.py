@@ -34,8 +34,10 @@ class VLLMServer:
     Started with the development routes (`VLLM_SERVER_DEV_MODE=1`: pause, reload, version labels)
     and `--enable-scale-out` (token-in/token-out `/inference/v1/generate`), eager unless
     `enforce_eager=False` (no compile or CUDA graphs: a 20 s start on the CPU instead of 60 s),
-    offline, and logprobs after temperature (`processed_logprobs`, as the local sampler reports
-    them). `env` is added to its environment. Its output goes to `log_path`.
+    offline, logprobs after temperature (`processed_logprobs`, as the local sampler reports
+    them) and structured outputs on llguidance (`guidance`, the local sampler's grammar engine: a
+    constraint's logits are masked before the logprobs are taken, so they are the constrained
+    distribution's). `env` is added to its environment. Its output goes to `log_path`.
     """
 
     def __init__(
@@ -98,6 +100,10 @@ class VLLMServer:
             str(self.max_model_len),
             "--logprobs-mode",
             "processed_logprobs",
+            # Constraints run on llguidance, as on the local sampler: the same Lark dialect
+            # (`%json{...}`), the same masks (docs/constrained_decoding.md).
+            "--structured-outputs-config.backend",
+            "guidance",
             *(["--enforce-eager"] if self.enforce_eager else []),
             "--enable-scale-out",
             *self.extra_args,

@@ -1,6 +1,6 @@
 """The learner's chunked logprobs (`logprobs.py`) equal the full-logits form, values and gradients,
-on packed batches with shared prompts, repeated sequences and masked environment tokens; their
-forward pass keeps no batch-wide logits for backward."""
+on packed batches with shared prompts, repeated sequences, masked environment tokens and grammar
+masks on constrained tokens; their forward pass keeps no batch-wide logits for backward."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from rllm_async.backends.local.learner import Learner
-from rllm_async.backends.local.logprobs import chunk_positions, packed_logprobs
+from rllm_async.backends.local.logprobs import Constraints, chunk_positions, packed_logprobs
 from rllm_async.backends.local.model import build_model, preset_config
 from rllm_async.backends.local.packing import PackedBatch, pack
 from rllm_async.backends.local.transformers_model import Decoder, TransformersModel
 from rllm_async.config import LossConfig, OptimConfig
+from rllm_async.grammar import apply_bitmask
 from rllm_async.types import Step, TokenSequence, Trajectory, TrajectoryGroup
 
 VOCAB = 40
@@ -24,12 +25,23 @@ MULTI = 3  # positions per chunk, far fewer than a batch's trained positions
 
 
 def full_logits_logprobs(
-    model: Decoder, packed: PackedBatch, mask: torch.Tensor, temperature: float, chunk: int = 0
+    model: Decoder,
+    packed: PackedBatch,
+    mask: torch.Tensor,
+    temperature: float,
+    chunk: int = 0,
+    constraints: Constraints | None = None,
 ) -> torch.Tensor:
     """The learner's former form: log_softmax over the [positions, vocab] logits of every packed
     position from each sequence's first trained token, masked afterwards."""
     hidden = model.hidden(packed.inputs, packed).flatten(0, 1)[packed.index]
     logits = model.lm_head(hidden).float() / temperature
+    if constraints is not None:
+        for dest, bitmask in zip(constraints.dest.tolist(), constraints.bitmask, strict=True):
+            rows = (packed.dest == dest).nonzero()[:, 0]
+            logits = logits.index_copy(
+                0, rows, apply_bitmask(logits[rows], bitmask.expand(len(rows), -1))
+            )
     chosen = torch.log_softmax(logits, dim=-1).gather(-1, packed.targets.unsqueeze(-1))[:, 0]
     flat = chosen.new_zeros(mask.numel()).index_copy(0, packed.dest, chosen)
     return flat.view(mask.shape) * mask
@@ -97,11 +109,17 @@ def gemma2() -> Decoder:
 
 
 def values_and_grads(
-    fn: Any, model: Decoder, packed: PackedBatch, mask: torch.Tensor, temperature: float, chunk: int
+    fn: Any,
+    model: Decoder,
+    packed: PackedBatch,
+    mask: torch.Tensor,
+    temperature: float,
+    chunk: int,
+    constraints: Constraints | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The logprobs and the gradient of a fixed weighted sum of them w.r.t. every parameter."""
     params = [p for p in model.parameters() if p.requires_grad]
-    logprobs = fn(model, packed, mask, temperature, chunk)
+    logprobs = fn(model, packed, mask, temperature, chunk, constraints)
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
     grads = torch.autograd.grad((logprobs * weights).sum(), params, allow_unused=True)
     return logprobs.detach(), [
@@ -137,6 +155,54 @@ def test_chunked_logprobs_and_gradients_equal_the_full_logits_form(
         torch.testing.assert_close(
             packed_logprobs(model, packed, mask, temperature, chunk), theirs, atol=1e-5, rtol=0
         )
+
+
+def random_constraints(
+    packed: PackedBatch, mask: torch.Tensor, seqs: list[TokenSequence]
+) -> Constraints:
+    """Random masks (each allowing its position's target and about half the rest) on every other
+    trained position of every other sequence, the repeated one's twin among them, so that twin
+    columns are scored once under a mask and once without."""
+    rng = torch.Generator().manual_seed(3)
+    width = packed.width
+    dest = [
+        i * width + t
+        for i in range(0, len(seqs), 2)
+        for t in range(width)
+        if mask[i, t] > 0 and t % 2 == 0
+    ]
+    targets = torch.zeros(mask.numel(), dtype=torch.long).index_copy(0, packed.dest, packed.targets)
+    allowed = torch.rand(len(dest), VOCAB, generator=rng) < 0.5
+    allowed[torch.arange(len(dest)), targets[dest]] = True
+    padded = torch.zeros(len(dest), 64, dtype=torch.bool)
+    padded[:, :VOCAB] = allowed
+    weights = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
+    words = (padded.view(len(dest), 2, 32).long() * weights).sum(-1)
+    bitmask = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return Constraints(torch.tensor(dest), bitmask)
+
+
+@pytest.mark.parametrize("chunk", [chunk_positions(VOCAB), MULTI], ids=["one_chunk", "chunks"])
+def test_constrained_logprobs_renormalize_over_the_allowed_tokens(chunk: int) -> None:
+    model = tiny()
+    seqs = sequences(0)
+    packed, mask = batch(seqs, share_prompts=True)
+    constraints = random_constraints(packed, mask, seqs)
+    ours, our_grads = values_and_grads(
+        packed_logprobs, model, packed, mask, 0.7, chunk, constraints
+    )
+    theirs, their_grads = values_and_grads(
+        full_logits_logprobs, model, packed, mask, 0.7, chunk, constraints
+    )
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    assert_grads_close(our_grads, their_grads)
+    free = packed_logprobs(model, packed, mask, 0.7, chunk).detach()
+    where = torch.zeros(mask.numel(), dtype=torch.bool)
+    where[constraints.dest] = True
+    where = where.view(mask.shape)
+    # Masking removes mass: a constrained token's logprob rises; the others are untouched.
+    assert bool((ours[where] > free[where]).all())
+    torch.testing.assert_close(ours[~where], free[~where], atol=1e-6, rtol=0)
 
 
 def test_a_chunks_logits_are_recomputed_in_backward_not_kept() -> None:

@@ -12,13 +12,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import llguidance
 import pytest
 import torch
 
 from rllm_async.backends.local.backend import LocalOptions
 from rllm_async.backends.toy_tokenizers import CharTokenizer
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServerError, write_weights
+from rllm_async.engines.vllm.client import structured_outputs
 from rllm_async.engines.vllm.engine import VLLMEngine, VLLMOptions
+from rllm_async.grammar import embedded_schema, grammar_text
 from rllm_async.protocols import SamplingParams
 from tests.engines.vllm.tiny_engine import start_engine
 
@@ -407,5 +410,24 @@ def test_a_constrained_request_cut_short_by_a_sync_starts_its_reply_over() -> No
     sent = [b for b in bodies if "token_ids" in b]
     assert [b["token_ids"] for b in sent] == [[1, 2, 3], [1, 2, 3]]
     assert [b["sampling_params"]["max_tokens"] for b in sent] == [8, 8]
-    assert all(b["sampling_params"]["structured_outputs"] == {"json_object": True} for b in sent)
+    sent_rule = {"json": embedded_schema({"type": "object"})}
+    assert all(b["sampling_params"]["structured_outputs"] == sent_rule for b in sent)
     assert (out.ids, out.logprobs) == ([7, 8], [-0.5, -0.25])
+
+
+def test_json_constraints_carry_the_local_samplers_json_options() -> None:
+    """vLLM's guidance backend compiles a schema with flexible whitespace unless the schema says
+    otherwise: the client adds our options, so both engines compile the same grammar."""
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    for rule, sent in [
+        ({"json": schema}, {"json": embedded_schema(schema)}),
+        ({"json_object": True}, {"json": embedded_schema({"type": "object"})}),
+        ({"regex": "[ab]+"}, {"regex": "[ab]+"}),
+        ({"grammar": 'start: "x"'}, {"grammar": 'start: "x"'}),
+    ]:
+        assert structured_outputs(json.dumps(rule)) == sent
+    sent_schema = structured_outputs(json.dumps({"json": schema}))["json"]
+    vllm_side = llguidance.LLMatcher.grammar_from_json_schema(
+        sent_schema, defaults={"whitespace_flexible": True}
+    )
+    assert vllm_side == grammar_text(json.dumps({"json": schema}))
