@@ -172,8 +172,8 @@ class RolloutContext:
         if params.structured is not None and not getattr(self.policy, "constrains_decoding", False):
             raise ValueError(
                 "a decoding constraint (structured) was given but this policy's engine cannot "
-                "constrain decoding (the local sampler and the vLLM engine, backend.rollout: vllm, "
-                "can): check the reply after sampling instead"
+                "constrain decoding (the local sampler, the sim and the vLLM engine, "
+                "backend.rollout: vllm, can): check the reply after sampling instead"
             )
         meter = self._meter
         if meter is not None:
