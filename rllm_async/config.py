@@ -97,6 +97,10 @@ class RolloutConfig(_Section):
         "auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v3", "harmony"
     ] = "auto"
     reasoning_parser: Literal["auto", "think", "mistral_think", "none"] = "auto"
+    # The gateway's forced tool calls and JSON response formats: enforce samples them under their
+    # grammar (engines that constrain decoding: the local sampler, vLLM; others refuse such a
+    # request), check only opens a forced call in the prompt and checks the reply.
+    constraints: Literal["enforce", "check"] = "enforce"
 
 
 class CoordinatorConfig(_Section):

@@ -57,6 +57,7 @@ async def serve(
             open_sessions=True,
             export_path=export_path,
             parser=configured_parser(config, policy),
+            constraints=config.rollout.constraints,
         )
         await gateway.start(host, port, embedded=False)
         print(json.dumps({"url": gateway.url, "model": model, "checkpoint": str(checkpoint)}))
@@ -118,6 +119,7 @@ def online_trainer(
         model=model,
         tool_parser=ro.tool_parser,
         reasoning_parser=ro.reasoning_parser,
+        constraints=ro.constraints,
     )
     announce = _Announce(workflow, model)
     return UnifiedTrainer(config, workflow=workflow, train_tasks=slots(), callbacks=[announce])

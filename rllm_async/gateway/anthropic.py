@@ -29,7 +29,7 @@ from anthropic.types.raw_message_delta_event import Delta
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from rllm_async.gateway.api import API, forced_prefix, name_reply
+from rllm_async.gateway.api import API, forced_prefix, name_reply, note_forced
 from rllm_async.gateway.conversation import ChatMessages, reply_calls
 from rllm_async.gateway.errors import APIError
 from rllm_async.gateway.protocol_anthropic import (
@@ -66,11 +66,12 @@ async def messages(api: API, request: Request) -> Response:
         prompt_param="messages",
         parallel=req.parallel_tool_use,
     )
+    headers = note_forced(req.forced_tool, [turn])
     body = message_object(req, turn, model=api.gw.model, tok=api.gw.policy.tokenizer)
     name_reply(body.id, [turn.step])
     if req.stream:
-        return typed_stream(stream_events(body))
-    return JSONResponse(body.model_dump(mode="json", exclude_unset=True))
+        return typed_stream(stream_events(body), headers)
+    return JSONResponse(body.model_dump(mode="json", exclude_unset=True), headers=headers)
 
 
 async def count_tokens(api: API, request: Request) -> Response:

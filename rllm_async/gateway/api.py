@@ -19,6 +19,7 @@ from rllm_async.gateway.errors import APIError, ErrorShape, error_response, inva
 from rllm_async.gateway.protocol import ResponseFormat, SamplingFields
 from rllm_async.gateway.sessions import Session, SessionStore
 from rllm_async.gateway.structured import constraint
+from rllm_async.grammar import ConstraintError
 from rllm_async.protocols import PolicyClient
 from rllm_async.rollout import ChatTemplateError, ChatTurn, ContextLengthError, RolloutContext
 from rllm_async.types import Step
@@ -50,6 +51,7 @@ class GatewayState(Protocol):
     max_body_bytes: int
     created: int
     sessions: SessionStore
+    constraints: str  # enforce | check: whether constraints are enforced while sampling
 
     def open_session(self, ttl_s: float | None = None, task: str | None = None) -> Session: ...
 
@@ -178,14 +180,40 @@ class API:
             out["stop"] = req.stops
         if req.seed is not None:
             out["seed"] = (req.seed + index) % (2**63)
-        out.update(self.structured(getattr(req, "response_format", None)))
         return out
 
-    def structured(self, fmt: ResponseFormat | None) -> dict[str, Any]:
-        """The decoding constraint of `fmt`, where the policy's engine can enforce one."""
+    def constraint(
+        self,
+        ctx: RolloutContext,
+        forced: str | bool,
+        tools: list[dict[str, Any]] | None,
+        fmt: ResponseFormat | None,
+        format_param: str = "response_format",
+    ) -> dict[str, Any]:
+        """The decoding constraint of a request (`structured`), enforced unless the gateway only
+        checks (`constraints: check`): a forced call's grammar, else `fmt`'s JSON. Where the
+        policy's engine cannot constrain decoding, a request that needs one is refused."""
         rule = constraint(fmt)
-        if rule is None or not getattr(self.gw.policy, "constrains_decoding", False):
+        if (forced is False and rule is None) or self.gw.constraints == "check":
             return {}
+        if not getattr(self.gw.policy, "constrains_decoding", False):
+            what, param = (
+                ("forces a tool call (tool_choice)", "tool_choice")
+                if forced is not False
+                else (f"asks for JSON ({format_param})", format_param)
+            )
+            raise APIError(
+                400,
+                f"the request {what}, which this gateway enforces while sampling "
+                "(rollout.constraints: enforce), but the policy's engine cannot constrain "
+                "decoding: serve with an engine that can (the local sampler, backend.name: "
+                "local; or vLLM, backend.rollout: vllm), or set rollout.constraints: check to "
+                "only check the reply",
+                param=param,
+                code="constraint_not_enforceable",
+            )
+        if forced is not False:
+            rule = ctx.tool_call_constraint(None if forced is True else forced, tools)
         return {"structured": rule}
 
     def temperature_top_p(self, req: TemperatureTopP, session: Session | None) -> dict[str, Any]:
@@ -237,6 +265,8 @@ class API:
             ) from None
         except ChatTemplateError as e:
             raise APIError(400, str(e), param=prompt_param, code="invalid_messages") from None
+        except ConstraintError as e:
+            raise APIError(400, str(e), code="invalid_constraint") from None
         except RuntimeError as e:
             raise APIError(
                 503, f"the policy is unavailable: {e}", code="policy_unavailable"
@@ -258,11 +288,18 @@ class API:
         sampling: dict[str, Any],
         prompt_param: str,
         parallel: bool = True,
+        response_format: ResponseFormat | None = None,
+        format_param: str = "response_format",
     ) -> ChatTurn:
-        """One chat turn (Responses and Messages requests), a forced tool call opened in the prompt;
-        without `parallel` tool calls, cut after its first call (`keep_first_call`)."""
+        """One chat turn (Responses and Messages requests), a forced tool call opened in the prompt
+        and sampled under its grammar (`constraint`); without `parallel` tool calls, cut after its
+        first call (`keep_first_call`)."""
         ctx = self.context(session)
         prefix = forced_prefix(ctx, forced)
+        sampling = {
+            **sampling,
+            **self.constraint(ctx, forced, tools, response_format, format_param),
+        }
         [turn] = await self.run(
             request,
             session,
@@ -319,6 +356,20 @@ def name_reply(reply_id: str, steps: list[Step]) -> None:
     (`POST /sessions/{id}/reward` with `response_id`) finds them."""
     for step in steps:
         step.info["reply_id"] = reply_id
+
+
+def note_forced(forced: str | bool, turns: list[ChatTurn]) -> dict[str, str]:
+    """For a forced call, say in each recorded step's info and the `X-Tool-Choice-Enforcement`
+    header whether the call was sampled under its grammar (`enforced`) or only opened in the
+    prompt and its reply parsed (`checked`)."""
+    if forced is False:
+        return {}
+    verdicts = []
+    for turn in turns:
+        enforced = "structured" in turn.step.info
+        turn.step.info["tool_choice"] = {"forced": forced, "enforced": enforced}
+        verdicts.append("enforced" if enforced else "checked")
+    return {"X-Tool-Choice-Enforcement": ",".join(verdicts)}
 
 
 def forced_prefix(ctx: RolloutContext, forced: str | bool) -> str:

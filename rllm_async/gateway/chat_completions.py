@@ -9,11 +9,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from rllm_async.gateway.api import API, forced_prefix, name_reply
+from rllm_async.gateway.api import API, forced_prefix, name_reply, note_forced
 from rllm_async.gateway.conversation import keep_first_call, reply_calls
 from rllm_async.gateway.protocol import ChatCompletionRequest, ResponseFormat
 from rllm_async.gateway.sse import data_stream
-from rllm_async.gateway.structured import format_error
+from rllm_async.gateway.structured import constraint, format_error
 from rllm_async.rollout import ChatTurn
 
 
@@ -27,7 +27,8 @@ async def chat_completions(api: API, request: Request) -> Response:
     tools = req.tool_schemas
     prefix = forced_prefix(ctx, req.forced_tool)
     kwargs = req.template_kwargs or None
-    overrides = [api.sampling(req, session, i) for i in range(req.n)]
+    rule = api.constraint(ctx, req.forced_tool, tools, req.response_format)
+    overrides = [{**api.sampling(req, session, i), **rule} for i in range(req.n)]
     turns = await api.run(
         request,
         session,
@@ -42,7 +43,7 @@ async def chat_completions(api: API, request: Request) -> Response:
             keep_first_call(
                 ctx, turn, messages, tools=tools, prefix=prefix, template_kwargs=kwargs, stop=stop
             )
-    headers = check_format(req.response_format, turns)
+    headers = check_format(req.response_format, turns) | note_forced(req.forced_tool, turns)
     body = _body(req, turns, api.gw.model, api.gw.policy.tokenizer)
     name_reply(body["id"], [t.step for t in turns])
     if req.stream:
@@ -119,18 +120,23 @@ def _chunks(req: ChatCompletionRequest, body: dict[str, Any]) -> list[dict[str, 
 
 
 def check_format(fmt: ResponseFormat | None, turns: list[ChatTurn]) -> dict[str, str]:
-    """Check each reply against `response_format` (enforced while sampling where the engine can):
-    the verdict goes into the recorded step's info and the `X-Response-Format` header (`valid` or
-    `invalid`)."""
+    """Check each reply against `response_format` (also enforced while sampling, unless the
+    gateway only checks): the verdict goes into the recorded step's info and the headers,
+    `X-Response-Format` (`valid` or `invalid`) and `X-Response-Format-Enforcement` (`enforced` or
+    `checked`), one per choice."""
     if fmt is None or fmt.type == "text":
         return {}
-    verdicts = []
+    verdicts, enforcement = [], []
     for turn in turns:
         error = format_error(fmt, turn.message.get("content"))
-        enforced = "structured" in turn.step.info
+        enforced = turn.step.info.get("structured") == constraint(fmt)
         turn.step.info["response_format"] = {"type": fmt.type, "error": error, "enforced": enforced}
         verdicts.append("valid" if error is None else "invalid")
-    return {"X-Response-Format": ",".join(verdicts)}
+        enforcement.append("enforced" if enforced else "checked")
+    return {
+        "X-Response-Format": ",".join(verdicts),
+        "X-Response-Format-Enforcement": ",".join(enforcement),
+    }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -39,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.responses import Response as HTTPResponse
 
-from rllm_async.gateway.api import API, name_reply
+from rllm_async.gateway.api import API, name_reply, note_forced
 from rllm_async.gateway.chat_completions import check_format
 from rllm_async.gateway.conversation import ChatMessages, reply_calls
 from rllm_async.gateway.protocol_responses import (
@@ -62,7 +62,6 @@ async def responses(api: API, request: Request) -> HTTPResponse:
     sampling = api.temperature_top_p(req, session)
     if req.max_output_tokens is not None:
         sampling["max_tokens"] = req.max_output_tokens
-    sampling.update(api.structured(req.response_format))
     turn = await api.chat_turn(
         request,
         session,
@@ -73,8 +72,10 @@ async def responses(api: API, request: Request) -> HTTPResponse:
         sampling=sampling,
         prompt_param="input",
         parallel=req.parallel_tool_calls is not False,
+        response_format=req.response_format,
+        format_param="text.format",
     )
-    headers = check_format(req.response_format, [turn])
+    headers = check_format(req.response_format, [turn]) | note_forced(req.forced_tool, [turn])
     base = api.context(session).sampling
     body = response_object(
         req,

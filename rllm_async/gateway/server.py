@@ -67,6 +67,9 @@ class _Server(uvicorn.Server):
             self._ready.set_result(None)
 
 
+CONSTRAINTS = ("enforce", "check")
+
+
 class Gateway:
     """Serves `policy` at `/v1/...` and per-session at `/sessions/{id}/v1/...`.
 
@@ -76,8 +79,10 @@ class Gateway:
     a client reports a session's reward with `POST /sessions/{id}/reward`, which closes it and
     hands it to `on_reward` (online training), while `on_expired` hears of each session that
     expired unrewarded; `locked_sessions` makes them sample with `sampling`'s temperature and
-    top_p only (the trainer's loss assumes them). A call outside any session, and every call of a
-    session opened over HTTP, waits on the pause of the contexts given to `session` or
+    top_p only (the trainer's loss assumes them). With `constraints="enforce"` a forced tool call
+    and a JSON `response_format` are sampled under their grammar, and refused (400) where the
+    policy's engine cannot constrain decoding; with `check` they are only checked. A call outside
+    any session, and every call of a session opened over HTTP, waits on the pause of the contexts given to `session` or
     `follow_pause` (a trainer's weight sync, which every rollout's context shares), so no weights
     half-updated serve it.
     """
@@ -99,7 +104,14 @@ class Gateway:
         on_reward: Callable[[Session], None] | None = None,
         on_expired: Callable[[Session], None] | None = None,
         locked_sessions: bool = False,
+        constraints: str = "enforce",
     ) -> None:
+        if constraints not in CONSTRAINTS:
+            raise ValueError(
+                f"constraints={constraints!r}: enforce (sample forced tool calls and JSON "
+                "response formats under their grammar) or check (only check the replies)"
+            )
+        self.constraints = constraints
         self.policy = policy
         self.parser = parser  # reads the replies of calls outside a rollout's context
         self.model = model

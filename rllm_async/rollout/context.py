@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from rllm_async.rollout.chat import ChatHistory
 from rllm_async.rollout.deadline import Deadline
 from rllm_async.rollout.pause import Pause, SyncPause
 from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
+from rllm_async.rollout.tool_calls import tool_schemas
 from rllm_async.types import Episode, Step, Termination, Trajectory
 
 
@@ -170,7 +172,8 @@ class RolloutContext:
         if params.structured is not None and not getattr(self.policy, "constrains_decoding", False):
             raise ValueError(
                 "a decoding constraint (structured) was given but this policy's engine cannot "
-                "constrain decoding (the vLLM engine can): check the reply after sampling instead"
+                "constrain decoding (the local sampler, the sim and the vLLM engine, "
+                "backend.rollout: vllm, can): check the reply after sampling instead"
             )
         meter = self._meter
         if meter is not None:
@@ -266,6 +269,13 @@ class RolloutContext:
     def tool_call_prefix(self, name: str | None) -> str:
         """The opening of a forced tool call in the policy's syntax: `name`'s call, or any call."""
         return self.parser.tool.forced_prefix(name)
+
+    def tool_call_constraint(self, name: str | None, tools: list[dict[str, Any]] | None) -> str:
+        """The decoding constraint (`SamplingParams.structured`) of the rest of a forced call after
+        `tool_call_prefix(name)`: the name, arguments following the tool's schema, one call."""
+        tool = self.parser.tool
+        tokens = tool.grammar_tokens(self.policy.tokenizer.encode)
+        return json.dumps({"grammar": tool.forced_grammar(name, tool_schemas(tools), tokens)})
 
     async def _wait_out_sync(self) -> None:
         """Wait while a weight sync pauses model calls, with the deadline stopped meanwhile."""

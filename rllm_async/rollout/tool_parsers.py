@@ -1,5 +1,7 @@
 """Tool-call parsers, one per model family: where each family writes its calls, and how a forced
-call opens. Every parser returns a `ParsedReply` and never raises on model output.
+call opens and goes on (the grammar a forced call is sampled under). Every parser returns a
+`ParsedReply` and never raises on model output. It runs past 400 lines because each family's
+syntax, read and written, stays in one place.
 
 | name | family | a call as the model writes it |
 |---|---|---|
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from rllm_async.rollout.tool_calls import (
@@ -28,6 +31,14 @@ from rllm_async.rollout.tool_calls import (
     json_call_span,
     object_span,
     openai_call,
+)
+from rllm_async.rollout.tool_grammar import (
+    Tokens,
+    arguments,
+    free_text,
+    literal,
+    marker_tokens,
+    quoted,
 )
 
 _JSON = json.JSONDecoder()
@@ -52,14 +63,54 @@ class ToolParser:
         """The opening of a call that a request forces: of `name`'s call, or of any call."""
         raise NotImplementedError
 
+    # What follows the name in `forced_prefix(None)` up to the arguments (so that
+    # `forced_prefix(name) == forced_prefix(None) + name + between`), what closes one call after
+    # them, and whether the name is written inside a JSON string.
+    between: ClassVar[str] = ""
+    close: ClassVar[str] = ""
+    json_name: ClassVar[bool] = True
 
-def _tagged_blocks(text: str, open_: str, close: str) -> list[tuple[int, int, str] | Span]:
-    """`(start, end, body)` of each `open_ ... close` block; an unclosed one is an error span."""
+    def grammar_tokens(self, encode: Callable[[str], list[int]]) -> dict[str, int]:
+        """The markers a tokenizer (its `encode`) writes as one token, which a grammar names by
+        id (`forced_grammar`'s `tokens`)."""
+        return marker_tokens((*self.markers, "<tool_call>", "</tool_call>"), encode)
+
+    def forced_grammar(self, name: str | None, tools: Tools, tokens: Tokens | None = None) -> str:
+        """The grammar (llguidance's Lark) of the rest of a reply after `forced_prefix(name)`: the
+        name (one of `tools`' when `name` is None), arguments following the tool's parameter
+        schema, the closing of one call, and nothing after. `tokens` are the markers written as
+        one token (`grammar_tokens`)."""
+        tokens = tokens or {}
+        rules: list[str] = []
+        if name is not None:
+            return f"start: {self._rest(name, tools.get(name), tokens, rules)}\n" + "".join(rules)
+        if not tools:
+            raise ValueError("forcing a call to any tool needs at least one tool")
+        calls = []
+        for i, (tool, schema) in enumerate(tools.items()):
+            written = json.dumps(tool, ensure_ascii=False)[1:-1] if self.json_name else tool
+            head = literal(written + self.between, tokens)
+            rules.append(f"call_{i}: {head} {self._rest(tool, schema, tokens, rules)}\n")
+            calls.append(f"call_{i}")
+        return f"start: {' | '.join(calls)}\n" + "".join(rules)
+
+    def _rest(self, name: str, schema: Any, tokens: Tokens, rules: list[str]) -> str:
+        """The arguments of `name`'s call and its closing (extra rules appended to `rules`)."""
+        return f"{arguments(schema)} {literal(self.close, tokens)}"
+
+
+def _tagged_blocks(
+    text: str, open_: str, close: str, json_body: bool = False
+) -> list[tuple[int, int, str] | Span]:
+    """`(start, end, body)` of each `open_ ... close` block; an unclosed one is an error span.
+    With `json_body`, a block whose body is JSON closes after it (its strings may hold `close`)."""
     out: list[tuple[int, int, str] | Span] = []
     pos = 0
     while (start := text.find(open_, pos)) >= 0:
         body_start = start + len(open_)
         end = text.find(close, body_start)
+        if json_body and end >= 0:
+            end = _after_json(text, body_start, close, end)
         if end < 0:
             out.append(Span(start, len(text), error=f"unterminated {open_}: close it with {close}"))
             break
@@ -68,13 +119,24 @@ def _tagged_blocks(text: str, open_: str, close: str) -> list[tuple[int, int, st
     return out
 
 
+def _after_json(text: str, pos: int, close: str, default: int) -> int:
+    """Where `close` follows the JSON value at `pos` (after whitespace), else `default`."""
+    try:
+        _, end = _JSON.raw_decode(text, len(text) - len(text[pos:].lstrip()))
+    except (ValueError, RecursionError):
+        return default
+    end += len(text[end:]) - len(text[end:].lstrip())
+    return end if text.startswith(close, end) else default
+
+
 class HermesParser(ToolParser):
     name = "hermes"
+    between, close = '", "arguments": ', "}</tool_call>"
 
     def spans(self, text: str, tools: Tools) -> list[Span]:
         return [
             b if isinstance(b, Span) else json_call_span(b[0], b[1], b[2], tools, "arguments")
-            for b in _tagged_blocks(text, "<tool_call>", "</tool_call>")
+            for b in _tagged_blocks(text, "<tool_call>", "</tool_call>", json_body=True)
         ]
 
     def forced_prefix(self, name: str | None) -> str:
@@ -88,6 +150,7 @@ class Llama3JsonParser(ToolParser):
 
     name = "llama3_json"
     markers = ("<|python_tag|>",)
+    between, close = '", "parameters": ', "}"
     _CALL = re.compile(r'\s*\{\s*"name"\s*:')
 
     def spans(self, text: str, tools: Tools) -> list[Span]:
@@ -127,6 +190,7 @@ class MistralParser(ToolParser):
 
     name = "mistral"
     markers = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+    between, close = '", "arguments": ', "}]"
     _NAMED = re.compile(
         r"\s*([A-Za-z0-9_.\-]{1,64})\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]+\s*)?\[ARGS\]\s*"
     )
@@ -171,8 +235,40 @@ class Qwen3CoderParser(ToolParser):
     """XML calls; a parameter's text is decoded as JSON when its schema's type is not `string`."""
 
     name = "qwen3_coder"
+    between, close, json_name = ">\n", "</function>\n</tool_call>", False
     _FUNCTION = re.compile(r"\s*<function=([^>\n]{1,64})>(.*?)</function>\s*", re.DOTALL)
     _PARAMETER = re.compile(r"<parameter=([^>\n]{1,64})>(.*?)</parameter>", re.DOTALL)
+    _TEXT = "TEXT"  # a string parameter's text: nothing that would close a block
+
+    def _rest(self, name: str, schema: Any, tokens: Tokens, rules: list[str]) -> str:
+        """Each declared parameter in the schema's order (the required ones present), as its
+        type says: text for strings (one of the values, for an `enum`), else JSON."""
+        schema = schema if isinstance(schema, dict) else {}
+        props = schema.get("properties")
+        required = set(schema.get("required") or ())
+        items = []
+        for key, prop in (props if isinstance(props, dict) else {}).items():
+            rule, opening = f"p_{len(rules)}", quoted(f"<parameter={key}>\n")
+            rules.append(f"{rule}: {opening} {self._value(prop, rules)}\n")
+            items.append(rule if key in required else f"{rule}?")
+        return " ".join([*items, literal(self.close, tokens)])
+
+    def _value(self, prop: Any, rules: list[str]) -> str:
+        end = "\n</parameter>\n"
+        prop = prop if isinstance(prop, dict) else {}
+        if prop.get("type") not in (None, "string"):  # what `_typed` decodes as JSON
+            return f"{arguments(prop)} {quoted(end)}"
+        options = prop.get("enum", [prop["const"]] if "const" in prop else None)
+        if isinstance(options, list) and options and all(isinstance(o, str) for o in options):
+            return f"({' | '.join(quoted(o) for o in options)}) {quoted(end)}"
+        low, high = prop.get("minLength", 0), prop.get("maxLength")
+        text = f"text_{low}_{high if isinstance(high, int) else 'n'}"
+        if not any(r.startswith(f"{text}[lazy]") for r in rules):
+            forbidden = ("</parameter>", "</function>", "</tool_call>")
+            terminal = f"{self._TEXT}_{len(rules)}"
+            rules.append(free_text(terminal, end, forbidden, low, high))
+            rules.append(f"{text}[lazy]: {terminal}\n")
+        return text
 
     def spans(self, text: str, tools: Tools) -> list[Span]:
         spans: list[Span] = []
@@ -224,6 +320,7 @@ class DeepSeekV3Parser(ToolParser):
     BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
     markers = (BEGIN, END, CALL, CALL_END, SEP)
+    between, close, json_name = "\n```json\n", f"\n```{CALL_END}{END}", False
     _FENCED = re.compile(r"\s*([^\n]{1,64})\n```(?:json)?\n(.*)\n```\s*", re.DOTALL)
 
     def spans(self, text: str, tools: Tools) -> list[Span]:
@@ -267,6 +364,7 @@ class HarmonyParser(ToolParser):
     name = "harmony"
     markers = ("<|start|>", "<|end|>", "<|channel|>", "<|message|>", "<|call|>", "<|constrain|>")
     structured = True
+    between, close, json_name = " <|constrain|>json<|message|>", "<|call|>", False
     _MESSAGE = re.compile(
         r"(?:<\|start\|>)?(.*?)<\|message\|>(.*?)(?:<\|end\|>|<\|call\|>|<\|return\|>|$)", re.DOTALL
     )

@@ -117,6 +117,7 @@ class OnlineWorkflow(Workflow):
         max_calls_per_session: int = 1_000,
         tool_parser: str = "auto",
         reasoning_parser: str = "auto",
+        constraints: str = "enforce",
     ) -> None:
         self.groups = EpisodeGroups(group_size, group_ttl_s)
         self.sampling = sampling
@@ -126,6 +127,7 @@ class OnlineWorkflow(Workflow):
         self.max_sessions = max_sessions
         self.max_calls_per_session = max_calls_per_session
         self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
+        self.constraints = constraints  # rollout.constraints: the gateway's
         self.gateway: Gateway | None = None
         self._claims: dict[str, _Claim] = {}
         self._expired_sessions = 0
@@ -149,6 +151,7 @@ class OnlineWorkflow(Workflow):
             on_expired=self._expired,
             parser=reply_parser(policy.tokenizer, self.tool_parser, self.reasoning_parser),
             locked_sessions=True,
+            constraints=self.constraints,
         )
         await gateway.start(self.host, self.port)
         self.gateway = gateway

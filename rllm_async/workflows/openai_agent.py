@@ -79,6 +79,7 @@ class OpenAIAgentWorkflow(Workflow):
         port: int = 0,
         api_key: str | None = None,
         max_calls_per_session: int = 1_000,
+        constraints: str = "enforce",
     ) -> None:
         self.agent: AgentFn = load(agent, "workflow.args.agent")
         self.reward_fn = load(reward_fn, "workflow.args.reward_fn") if reward_fn else None
@@ -88,6 +89,8 @@ class OpenAIAgentWorkflow(Workflow):
         # A key per run by default, so that nothing else on the machine can use the trainer's policy.
         self.api_key = api_key or secrets.token_urlsafe(24)
         self.max_calls_per_session = max_calls_per_session
+        # The gateway's forced tool calls and JSON formats: enforce or check (rollout.constraints).
+        self.constraints = constraints
         self.gateway: Gateway | None = None
         self.http: DefaultAsyncHttpxClient | None = None  # every rollout's agent shares it
         self.anthropic_http: AnthropicHttpxClient | None = None  # the same, for `anthropic`
@@ -132,6 +135,7 @@ class OpenAIAgentWorkflow(Workflow):
             model=self.model,
             api_key=self.api_key,
             max_calls_per_session=self.max_calls_per_session,
+            constraints=self.constraints,
         )
         await gateway.start(self.host, self.port)
         self.gateway, self.http = gateway, _http_client()

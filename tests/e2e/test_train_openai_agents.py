@@ -112,7 +112,7 @@ def test_training_an_openai_agents_agent_through_the_gateway(tmp_path: Path) -> 
     policy = sampler(seed=0)
     backend = ScriptedSampling(LocalBackend.from_config(config), policy)
     assert isinstance(backend, Backend)
-    workflow = Recorded(agent=agent)
+    workflow = Recorded(agent=agent, constraints="check")  # the scripted sampler cannot enforce
     tasks = [
         {"id": str(i), "prompt": "6*7?", "api": ("responses", "chat")[i % 2]} for i in range(12)
     ]

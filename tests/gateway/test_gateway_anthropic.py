@@ -110,7 +110,7 @@ def test_forced_tool_choices_open_the_call_in_the_prompt() -> None:
     policy = ScriptedPolicy(reply)
 
     async def go() -> None:
-        async with serving(policy) as gateway:
+        async with serving(policy, constraints="check") as gateway:
             session = gateway.session(context(policy))
             client = anthropic.AsyncAnthropic(base_url=gateway.url, api_key=session.key)
             for choice in ({"type": "tool", "name": "calc"}, {"type": "any"}):

@@ -55,7 +55,7 @@ def test_a_forced_tool_call_opens_in_the_prompt_and_is_not_trained(choice: Any) 
     policy = forcing_policy()
 
     async def go() -> None:
-        async with serving(policy) as gateway:
+        async with serving(policy, constraints="check") as gateway:
             session = gateway.session(context(policy))
             client = openai.AsyncOpenAI(base_url=gateway.session_url(session.id), api_key=KEY)
             messages: list[Any] = [{"role": "user", "content": "6*7?"}]
@@ -73,6 +73,11 @@ def test_a_forced_tool_call_opens_in_the_prompt_and_is_not_trained(choice: Any) 
             assert policy.text(step.prompt_ids).endswith(prefix)
             assert not policy.text(step.completion_ids).startswith("<tool_call>")
             assert step.info["forced_prefix"] == prefix
+            # Checked only (`constraints: check`): opened in the prompt, sampled freely.
+            assert step.info["tool_choice"] == {
+                "forced": choice == "required" or "calc",
+                "enforced": False,
+            }
             # The agent's next turn extends prompt + completion exactly.
             messages += [r.choices[0].message.model_dump(exclude_none=True)]
             messages += [{"role": "tool", "tool_call_id": tc.id, "content": "42"}]
@@ -201,7 +206,7 @@ def test_response_format_is_checked_and_the_verdict_reported() -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "out", "strict": True, "schema": schema}}
 
     async def go() -> None:
-        async with serving(policy) as gateway:
+        async with serving(policy, constraints="check") as gateway:
             session = gateway.session(context(policy))
             path = f"/sessions/{session.id}/v1/chat/completions"
             verdicts = []
@@ -210,6 +215,7 @@ def test_response_format_is_checked_and_the_verdict_reported() -> None:
                 assert r.status_code == 200, r.text
                 ChatCompletion.model_validate(r.json())
                 verdicts.append(r.headers["x-response-format"])
+                assert r.headers["x-response-format-enforcement"] == "checked"
             assert verdicts == ["valid", "invalid", "invalid", "invalid"]
             errors = [s.info["response_format"]["error"] for s in session.ctx.trajectory().steps]
             assert errors[0] is None and "schema 'out'" in errors[1]

@@ -17,10 +17,11 @@ from tests.scripted import ScriptedPolicy, context
 
 
 async def run_in_session(agent: Callable[[str, str], Awaitable[Any]]) -> tuple[Any, list[Any]]:
-    """`agent(base_url, api_key)` against a session named by its key; its result and the steps."""
+    """`agent(base_url, api_key)` against a session named by its key; its result and the steps.
+    The scripted policy cannot constrain decoding: the gateway only checks (`constraints`)."""
     policy = ScriptedPolicy(reply)
     gateway: Gateway
-    async with serving(policy) as gateway:
+    async with serving(policy, constraints="check") as gateway:
         session = gateway.session(context(policy))
         result = await agent(f"{gateway.url}/v1", session.key)
         return result, session.ctx.trajectory().steps

@@ -232,7 +232,7 @@ def test_openai_agents_default_responses_model_runs_a_tool_loop() -> None:
     policy = ScriptedPolicy(reply)
 
     async def go() -> tuple[Any, list[Any]]:
-        async with serving(policy) as gateway:
+        async with serving(policy, constraints="check") as gateway:
             session = gateway.session(context(policy))
             client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=session.key)
             model = agents.OpenAIResponsesModel(model="policy", openai_client=client)
