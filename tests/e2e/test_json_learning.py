@@ -5,12 +5,15 @@ its first replies parse)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import jsonschema
 
 from rllm_async import SingleTurnWorkflow, UnifiedTrainer
+from rllm_async.backends.local import LocalBackend
+from rllm_async.protocols import SamplingParams
 from tests.digits import digit_fraction, digits_config, mean_reward
 
 SCHEMA = {
@@ -63,15 +66,22 @@ def test_every_episode_parses_and_the_content_reward_rises(tmp_path) -> None:
 def test_without_the_constraint_the_untrained_model_writes_no_json(tmp_path) -> None:
     """The control for the claim above: the format is the constraint's doing, not the model's."""
     config = digits_config(tmp_path, "free", {"model": "tiny", "max_seq_len": 64})
-    config.rollout.max_tokens = 32
-    config.train.total_steps = 1
-    replies: list[str] = []
 
-    def record(task: dict[str, Any], text: str) -> float:
-        replies.append(text)
-        return 0.0
+    async def replies() -> list[str]:
+        backend = LocalBackend.from_config(config)
+        policy = backend.policy()
+        tok = policy.tokenizer
+        outs = await asyncio.gather(
+            *(
+                policy.generate(
+                    tok.apply_chat_template([{"role": "user", "content": f"n={i}"}]),
+                    SamplingParams(temperature=1.0, max_tokens=32, seed=i),
+                )
+                for i in range(64)
+            )
+        )
+        await backend.close()
+        return [tok.decode(o.ids) for o in outs]
 
-    workflow = SingleTurnWorkflow(reward_fn=record)
-    tasks = [{"id": str(i), "prompt": f"n={i}"} for i in range(200)]
-    UnifiedTrainer(config, workflow=workflow, train_tasks=tasks).run()
-    assert replies and not any(parses(r) for r in replies)
+    texts = asyncio.run(replies())
+    assert len(texts) == 64 and not any(parses(t) for t in texts)

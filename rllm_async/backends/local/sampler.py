@@ -138,7 +138,9 @@ class Sampler:
         # `ConstraintError`. A constraint seen before starts as a copy of its first matcher.
         matcher = None
         if params.structured is not None:
-            grammars = self._grammars or await asyncio.to_thread(self.grammars)
+            grammars = self._grammars
+            if grammars is None:
+                grammars = await asyncio.to_thread(self.grammars)
             if grammars.compiled(params.structured):
                 matcher = grammars.matcher(params.structured)
             else:
