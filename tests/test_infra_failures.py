@@ -441,3 +441,20 @@ def test_the_breaker_stops_a_sim_backend_run_whose_environment_always_dies(tmp_p
     )
     with pytest.raises(InfraFailureRateError, match=r"last error: env DyingEnv: SandboxError"):
         UnifiedTrainer(config).run()
+
+
+def test_an_evaluation_counts_infra_failures_and_leaves_them_out_of_its_means(tmp_path) -> None:
+    from rllm_async.evaluation import Evaluator
+    from tests.fakes import FakePolicy
+
+    workflow = SandboxWorkflow(lambda task, i, attempt: task["id"] in ("t1", "t2"))
+    cfg = make_config(tmp_path, eval={"every_steps": 1})
+    evaluator = Evaluator(cfg, workflow, tasks(5), [])
+    out = run(evaluator.evaluate(FakePolicy(), SyncPause()), virtual=True)
+    assert out["eval/n"] == 3 and out["eval/failed"] == 2 and out["eval/infra_failed"] == 2
+    assert out["eval/reward/mean"] == 0.0  # rollout 0 of each task scores 0; the dead are not 0s
+
+
+def test_only_exception_types_can_be_registered() -> None:
+    with pytest.raises(TypeError, match="exception types"):
+        register_infra_error("requests.ConnectionError")  # type: ignore[arg-type]
