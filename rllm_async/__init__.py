@@ -2,7 +2,8 @@
 
 from rllm_async.callbacks import Callback
 from rllm_async.config import Config, ConfigError, load_config
-from rllm_async.health import FailureRateError, NoSignalError
+from rllm_async.health import FailureRateError, InfraFailureRateError, NoSignalError
+from rllm_async.infra import InfraError, register_infra_error
 from rllm_async.rollout import ChatTurn, RolloutContext
 from rllm_async.trainer import UnifiedTrainer
 from rllm_async.types import Episode, Step, Termination, Trajectory, TrajectoryGroup
@@ -25,6 +26,8 @@ __all__ = [
     "EnvWorkflow",
     "Episode",
     "FailureRateError",
+    "InfraError",
+    "InfraFailureRateError",
     "MultiTurnWorkflow",
     "NoSignalError",
     "OpenAIAgentWorkflow",
@@ -38,5 +41,6 @@ __all__ = [
     "UnifiedTrainer",
     "Workflow",
     "load_config",
+    "register_infra_error",
 ]
 __version__ = "0.1.0"

@@ -57,15 +57,15 @@ class Accounting:
         self.record.add_generation(metrics)
 
     def on_rollout(self, meter: RolloutMeter, rollout: Rollout) -> None:
-        """A rollout ended: with an episode, or failed after its retries (which may trip the
-        failure-rate breaker)."""
+        """A rollout ended: with an episode, or failed after its retries, for its infrastructure
+        or not (which may trip the failure-rate breaker)."""
         episode = rollout.episode
         self.workload.finished(meter, episode)
         if episode is None:
-            self.record.add({"rollout/failures": 1})
+            self.record.add_lost_rollout(rollout.infra_failed)
         else:
             self.record.add_episode(episode, self.reductions)
-        self.breaker.observe(episode is None, rollout.last_error)
+        self.breaker.observe(episode is None, rollout.last_error, rollout.infra_failed)
 
     def on_group(self, dispatch: Dispatch, kept: KeptGroup | None, outcome: GroupOutcome) -> None:
         """A group's rollouts all ended and the buffer took it, filtered it or failed it (a run of
@@ -77,6 +77,8 @@ class Accounting:
         self.source.group_ended(dispatch.task, solved=outcome.correct == self.group_size)
         if state in (GroupState.FILTERED, GroupState.FAILED):
             self.record.add({"tokens/wasted": outcome.tokens})
+        if failed and outcome.infra_failed:
+            self.record.add({"groups/failed_infra": 1})
         self.no_signal.observe(state)
 
     # -- training --------------------------------------------------------------------------------

@@ -26,10 +26,12 @@ class Dispatch:
 @dataclass(slots=True)
 class GroupOutcome:
     """How a group whose rollouts all ended came out: its new state and its finished rollouts'
-    episodes, in rollout order."""
+    episodes, in rollout order; `infra_failed`: how many of its rollouts its infrastructure
+    failed (not in `episodes`)."""
 
     state: GroupState
     episodes: list[Episode]
+    infra_failed: int = 0
 
     @property
     def tokens(self) -> int:
@@ -68,13 +70,16 @@ class _Pending:
     expected: int
     episodes: dict[int, Episode] = field(default_factory=dict)  # by rollout index
     failures: int = 0
+    infra_failures: int = 0  # of `failures`, those that failed for their infrastructure
 
 
 class TrajectoryGroupBuffer:
     """Accumulates episodes per dispatch until its group is complete, then queues it.
 
     A group is complete when all `group_size` rollouts ended; it trains on the survivors of failed
-    rollouts if at least `min_group_size` survived, else it fails. Zero-variance groups, and
+    rollouts if at least `min_group_size` survived, else it fails. A rollout whose infrastructure
+    failed is one of those failed rollouts: left out of the group, its advantages computed over
+    the survivors alone, exactly as if the group had been dispatched without it. Zero-variance groups, and
     dispatches where every rollout is judged wrong, are filtered when asked. Every outcome moves
     the group's count in the coordinator, which frees its admission slot at once. Ready groups
     leave oldest policy version first, and the queue is bounded: a full queue makes producers
@@ -134,12 +139,16 @@ class TrajectoryGroupBuffer:
         self._pending[dispatch.id] = _Pending(dispatch, self.group_size)
         self._outstanding[dispatch.id] = dispatch
 
-    def add(self, dispatch_id: int, index: int, episode: Episode | None) -> bool:
-        """Add rollout `index` of a group (None: it failed); True once every rollout of the group
-        is in, when it is the caller's to `complete`."""
+    def add(
+        self, dispatch_id: int, index: int, episode: Episode | None, infra_failed: bool = False
+    ) -> bool:
+        """Add rollout `index` of a group (None: it failed; `infra_failed`: for its
+        infrastructure); True once every rollout of the group is in, when it is the caller's to
+        `complete`."""
         pending = self._pending[dispatch_id]
         if episode is None:
             pending.failures += 1
+            pending.infra_failures += infra_failed
         else:
             pending.episodes[index] = episode
         return len(pending.episodes) + pending.failures >= pending.expected
@@ -149,16 +158,17 @@ class TrajectoryGroupBuffer:
         pending = self._pending[dispatch_id]  # until it leaves, its tokens count at `cancel`
         # Rollout order, not completion order, so that batches do not depend on timing.
         episodes = [pending.episodes[i] for i in sorted(pending.episodes)]
+        infra = pending.infra_failures
         if len(episodes) < self.min_group_size:
-            return self._end(dispatch_id, GroupOutcome(GroupState.FAILED, episodes))
+            return self._end(dispatch_id, GroupOutcome(GroupState.FAILED, episodes, infra))
         ready = self._complete(pending.dispatch, episodes)
         if ready is None:
-            return self._end(dispatch_id, GroupOutcome(GroupState.FILTERED, episodes))
+            return self._end(dispatch_id, GroupOutcome(GroupState.FILTERED, episodes, infra))
         await self.coordinator.wait_for(lambda: len(self._ready) < self.capacity, "buffer space")
         del self._pending[dispatch_id]
         heapq.heappush(self._ready, (ready.min_version, next(self._seq), ready))
         self.coordinator.move(GroupState.IN_FLIGHT, GroupState.BUFFERED)
-        return GroupOutcome(GroupState.BUFFERED, episodes)
+        return GroupOutcome(GroupState.BUFFERED, episodes, infra)
 
     def _end(self, dispatch_id: int, outcome: GroupOutcome) -> GroupOutcome:
         del self._pending[dispatch_id], self._outstanding[dispatch_id]

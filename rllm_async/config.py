@@ -91,6 +91,8 @@ class RolloutConfig(_Section):
     # used more than half of the bound (the late ones decode faster); null: a fixed limit.
     late_concurrency: float | None = Field(default=0.5, gt=0.0, le=1.0)
     max_failure_rate: float = Field(default=0.5, gt=0.0, le=1.0)
+    # The breaker's limit on rollouts lost to their infrastructure (rllm_async.infra), apart.
+    max_infra_failure_rate: float = Field(default=0.5, gt=0.0, le=1.0)
     failure_window: int = Field(default=200, ge=1)
     # How replies are read (tool calls, reasoning); auto: from the checkpoint (rollout.reply_parser).
     tool_parser: Literal[

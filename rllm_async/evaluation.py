@@ -14,7 +14,7 @@ from rllm_async.data import load_tasks
 from rllm_async.metrics import MetricsAggregator
 from rllm_async.protocols import Backend, PolicyClient, SamplingParams
 from rllm_async.rollout import Pause, SyncPause
-from rllm_async.runner import build_workflow, configured_parser, run_rollout
+from rllm_async.runner import Rollout, build_workflow, configured_parser, run_rollout
 from rllm_async.step_record import record_episode
 from rllm_async.workflows.base import Workflow
 
@@ -61,9 +61,9 @@ class Evaluator:
         pinned = policy.acquire() if version is None else version
         slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
 
-        async def one(task: dict[str, Any]) -> Any:
+        async def one(task: dict[str, Any]) -> Rollout:
             async with slots:
-                rollout = await run_rollout(
+                return await run_rollout(
                     self.workflow,
                     task,
                     policy,
@@ -75,13 +75,13 @@ class Evaluator:
                     pause=pause,
                     parser=configured_parser(cfg, policy),
                 )
-                return rollout.episode
 
         try:
-            episodes = await asyncio.gather(*(one(t) for t in self.tasks))
+            rollouts = await asyncio.gather(*(one(t) for t in self.tasks))
         finally:
             if owned:
                 policy.release(pinned)
+        episodes = [r.episode for r in rollouts]
         done = [e for e in episodes if e is not None]
         reduced = MetricsAggregator()
         for episode in done:
@@ -91,6 +91,8 @@ class Evaluator:
             "eval/policy_version": float(pinned),
             "eval/n": float(len(done)),
             "eval/failed": float(len(episodes) - len(done)),
+            # of those, the ones whose infrastructure failed: not scored, as in training
+            "eval/infra_failed": float(sum(r.infra_failed for r in rollouts)),
             "eval/time_s": loop.time() - t0,
         }
         if done:

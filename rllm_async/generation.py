@@ -97,5 +97,5 @@ class Generation:
         finally:
             self.slots.release(start)
         accounting.on_rollout(meter, rollout)
-        if self.buffer.add(dispatch.id, index, rollout.episode):
+        if self.buffer.add(dispatch.id, index, rollout.episode, rollout.infra_failed):
             accounting.on_group(dispatch, kept, await self.buffer.complete(dispatch.id))

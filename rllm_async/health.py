@@ -19,38 +19,78 @@ class FailureRateError(RuntimeError):
     """Too many rollouts failed recently (`rollout.max_failure_rate`); the run stops."""
 
 
+class InfraFailureRateError(FailureRateError):
+    """Too many rollouts' infrastructure failed recently (`rollout.max_infra_failure_rate`): a
+    tool, sandbox or environment is broken, not the model; the run stops."""
+
+
 class NoSignalError(RuntimeError):
     """`algorithm.no_signal_steps` steps' worth of groups in a row were filtered: nothing is learned."""
 
 
-class FailureRateBreaker:
-    """The circuit breaker over the last `rollout.failure_window` rollouts: raises
-    FailureRateError when more than `rollout.max_failure_rate` of them failed."""
+class _Window:
+    """The failures among the last `window` rollouts, by number."""
 
-    def __init__(self, config: Config) -> None:
-        self.window = config.rollout.failure_window
-        self.max_rate = config.rollout.max_failure_rate
-        self._seen = 0  # rollouts observed
-        self._failed: deque[int] = deque()  # the failed ones among the last `window`, by number
-        self._last_error = ""
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._failed: deque[int] = deque()
 
-    def observe(self, failed: bool, last_error: str) -> None:
-        """Count one rollout's outcome; `last_error` (if any) is named when the breaker trips."""
-        if last_error:
-            self._last_error = last_error
-        self._seen += 1
+    def rate(self, seen: int, failed: bool) -> float | None:
+        """Count rollout number `seen`; the failed share of the window, once it holds at least
+        min(window, 32) rollouts (None before, or while none failed)."""
         failures = self._failed
         if failed:
-            failures.append(self._seen)
+            failures.append(seen)
         if not failures:
-            return
-        if failures[0] <= self._seen - self.window:  # the window moves on by one
+            return None
+        if failures[0] <= seen - self.window:  # the window moves on by one
             failures.popleft()
-        n = min(self._seen, self.window)
+        n = min(seen, self.window)
         if n < min(self.window, _BREAKER_MIN_ROLLOUTS):
-            return
-        rate = len(failures) / n
-        if rate > self.max_rate:
+            return None
+        return len(failures) / n
+
+
+class FailureRateBreaker:
+    """The circuit breaker over the last `rollout.failure_window` rollouts: raises
+    FailureRateError when more than `rollout.max_failure_rate` of them failed, and
+    InfraFailureRateError when more than `rollout.max_infra_failure_rate` of them failed for
+    their infrastructure (`rllm_async.infra`). The two are counted apart: an infrastructure
+    failure is not one of the first kind, so each limit speaks of its own cause."""
+
+    def __init__(self, config: Config) -> None:
+        ro = config.rollout
+        self.window = ro.failure_window
+        self.max_rate = ro.max_failure_rate
+        self.max_infra_rate = ro.max_infra_failure_rate
+        self._seen = 0  # rollouts observed
+        self._errors = _Window(self.window)
+        self._infra = _Window(self.window)
+        self._last_error = ""
+        self._last_infra_error = ""
+
+    def observe(self, failed: bool, last_error: str, infra: bool = False) -> None:
+        """Count one rollout's outcome (`infra`: it failed for its infrastructure); `last_error`
+        (if any) is named when the breaker trips."""
+        if last_error:
+            if infra:
+                self._last_infra_error = last_error
+            else:
+                self._last_error = last_error
+        self._seen += 1
+        n = min(self._seen, self.window)
+        rate = self._infra.rate(self._seen, failed and infra)
+        if rate is not None and rate > self.max_infra_rate:
+            raise InfraFailureRateError(
+                f"{rate:.0%} of the last {n} rollouts failed for their infrastructure, not the "
+                f"model (rollout.max_infra_failure_rate={self.max_infra_rate}): a tool, sandbox "
+                f"or environment the workflow uses is failing; last error: "
+                f"{self._last_infra_error}. Fix that service (is it running and reachable, with "
+                "room for rollout.max_concurrency rollouts at once?), or raise "
+                "rollout.max_infra_failure_rate to train through it"
+            )
+        rate = self._errors.rate(self._seen, failed and not infra)
+        if rate is not None and rate > self.max_rate:
             raise FailureRateError(
                 f"{rate:.0%} of the last {n} rollouts failed (rollout.max_failure_rate="
                 f"{self.max_rate}); last error: {self._last_error}. Fix the workflow, or raise "

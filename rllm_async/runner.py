@@ -12,6 +12,7 @@ from typing import Any
 
 from rllm_async.config import Config, ConfigError
 from rllm_async.imports import import_object
+from rllm_async.infra import infra_failure
 from rllm_async.protocols import PolicyClient, SamplingParams
 from rllm_async.rollout import CallMeter, Pause, RolloutContext
 from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
@@ -22,10 +23,12 @@ from rllm_async.workflows.base import Workflow
 @dataclass(slots=True)
 class Rollout:
     """What one rollout came to: its episode, None when every attempt failed (why the last
-    failed attempt failed in `last_error`)."""
+    failed attempt failed in `last_error`; `infra_failed` when that was an infrastructure failure,
+    not the model's: `rllm_async.infra`)."""
 
     episode: Episode | None
     last_error: str = ""
+    infra_failed: bool = False
 
 
 async def run_rollout(
@@ -49,7 +52,12 @@ async def run_rollout(
     that policy version; `parser` reads the
     replies (by default, in the family of the policy's checkpoint); `meter` is told when each
     model call begins and ends. The metrics of each retry and failed attempt go to `report` as
-    they happen."""
+    they happen.
+
+    An attempt whose infrastructure failed (the workflow raised an `InfraError` or a registered
+    type, or called `ctx.mark_infra_failed`) is retried like one that raised: a dead sandbox or
+    a dropped connection is usually transient, and a fresh attempt gives the group its member
+    back. Its episode, if the workflow returned one, is never scored."""
     loop = asyncio.get_running_loop()
     out = Rollout(None)
     for attempt in range(retries + 1):
@@ -68,20 +76,31 @@ async def run_rollout(
             parser=parser,
             meter=meter,
         )
+        episode: Episode | None = None
+        error: Exception | None = None
         try:
             async with ctx.timeout():
                 result = await workflow.run(task, ctx)
-            episode = ctx.build_episode(result)
-        except TimeoutError:
+            if ctx.infra_failure is None:
+                episode = ctx.build_episode(result)
+        except Exception as e:
+            error = e
+        finally:
+            ctx.close()
+        cause = None if error is None else infra_failure(error)
+        out.infra_failed = ctx.infra_failure is not None or cause is not None
+        if out.infra_failed:
+            out.last_error = ctx.infra_failure or f"{type(cause).__name__}: {cause}"
+            report(_failed("rollout/infra_errors", ctx.num_completion_tokens))
+            continue
+        if isinstance(error, TimeoutError):
             out.last_error = f"rollout timed out after rollout.timeout_s={timeout_s}s"
             report(_failed("rollout/timeouts", ctx.num_completion_tokens))
             continue
-        except Exception as e:
-            out.last_error = f"{type(e).__name__}: {e}"
+        if error is not None or episode is None:
+            out.last_error = f"{type(error).__name__}: {error}"
             report(_failed("rollout/errors", ctx.num_completion_tokens))
             continue
-        finally:
-            ctx.close()
         episode.task_id = task["id"]
         out.episode = episode
         return out

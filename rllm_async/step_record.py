@@ -32,6 +32,9 @@ REDUCTIONS: dict[str, Reduce] = {
     "rollout/timeouts": "sum",
     "rollout/errors": "sum",
     "rollout/failures": "sum",
+    "rollout/infra_errors": "sum",
+    "rollout/infra_failed": "sum",
+    "rollout/infra_failed_frac": "last",  # of the rollouts that ended in the record
     "rollout/reward/mean": "mean",
     "episode/completion_tokens": "mean",
     "episode/correct": "mean",
@@ -44,6 +47,7 @@ REDUCTIONS: dict[str, Reduce] = {
     "groups/consumed": "sum",
     "groups/filtered": "sum",
     "groups/failed": "sum",
+    "groups/failed_infra": "sum",
     "groups/dropped_stale": "sum",
     "groups/cancelled": "sum",
     "groups/requeued": "sum",
@@ -153,6 +157,10 @@ class StepRecord:
         self._pending_tokens = 0
         self._pending_judged = 0
         self._pending_correct = 0
+        # Rollouts that ended without an episode since the last record, and of them those that
+        # failed for their infrastructure.
+        self._pending_lost = 0
+        self._pending_infra = 0
         # When the last record was written and the last heartbeat logged (wall-clock seconds), and
         # how long without a record is news.
         self._recorded_at = self._heard = time.monotonic()
@@ -167,6 +175,16 @@ class StepRecord:
         """Add the metrics of a rollout attempt, counting its tokens toward `tokens/per_s`."""
         self.add(metrics)
         self._tokens += int(metrics.get("tokens/generated", 0))
+
+    def add_lost_rollout(self, infra_failed: bool) -> None:
+        """A rollout ended without an episode: every attempt failed (`rollout/failures`), the last
+        for its infrastructure when `infra_failed` (`rollout/infra_failed`)."""
+        self._pending_lost += 1
+        if infra_failed:
+            self._pending_infra += 1
+            self.add({"rollout/infra_failed": 1})
+        else:
+            self.add({"rollout/failures": 1})
 
     def add_episode(self, episode: Episode, reductions: Mapping[str, Reduce]) -> None:
         """A finished episode's metrics (reward, completion tokens, and correctness where judged:
@@ -239,6 +257,11 @@ class StepRecord:
             self._pending_reward,
             self._pending_tokens,
         )
+        ended = episodes + self._pending_lost
+        if ended:
+            infra_frac = self._pending_infra / ended
+            self.add({"rollout/infra_failed_frac": infra_frac})
+            self._pending_lost = self._pending_infra = 0
         if episodes:
             record_total = self.metrics.record_total
             record_total("rollout/reward/mean", reward, episodes, REDUCTIONS["rollout/reward/mean"])

@@ -109,6 +109,8 @@ class RolloutContext:
         self._trajectories: dict[str, Trajectory] = {}
         self._chats: dict[str, ChatHistory] = {}
         self._meter = meter
+        # Why the rollout's infrastructure failed, once a workflow says so (`mark_infra_failed`).
+        self.infra_failure: str | None = None
 
     @property
     def deadline(self) -> float:
@@ -298,6 +300,15 @@ class RolloutContext:
     def set_step_reward(self, reward: float, actor: str = "default") -> None:
         """Reward the latest step of `actor` (per-step rewards for multi-turn workflows)."""
         self.trajectory(actor).steps[-1].reward = float(reward)
+
+    def mark_infra_failed(self, reason: str) -> None:
+        """Say that this rollout failed through no fault of the model (a tool's server, a sandbox
+        or an environment died): whatever `run` then returns is neither scored nor trained, the
+        rollout is left out of its group's advantages and counted as `rollout/infra_failed`
+        (`rllm_async.infra`). `reason` names what failed; the first one given is kept. Raising
+        `rllm_async.infra.InfraError` out of `run` does the same."""
+        if self.infra_failure is None:
+            self.infra_failure = reason or "infrastructure failure"
 
     def close(self) -> None:
         """Release the pinned snapshot; called once by the trainer when the rollout ends."""

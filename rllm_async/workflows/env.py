@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from rllm_async.infra import infra_failure
 from rllm_async.rollout import ContextLengthError, RolloutContext
 from rllm_async.types import Episode, Termination
 from rllm_async.workflows.base import Workflow
@@ -18,7 +19,10 @@ class Env(Protocol):
     """An environment for one rollout: text observations in, the model's reply text as the action.
 
     Either method may be async. An env may also have `is_correct` (read when the episode ends) and
-    `close()` (called when it ends, however it ends).
+    `close()` (called when it ends, however it ends). An env whose own machinery fails (a sandbox
+    died, a server is unreachable) raises `rllm_async.infra.InfraError` (or a registered type):
+    the rollout is then marked infra-failed, neither scored nor trained; anything else it raises
+    fails the rollout as an error.
     """
 
     def reset(self, task: dict[str, Any]) -> str | Awaitable[str]: ...
@@ -56,6 +60,7 @@ class EnvWorkflow(Workflow):
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
         env = self.make_env(**self.env_args)
         termination = Termination.MAX_TURNS
+        correct: Any = None
         try:
             observation = await maybe_await(env.reset(task))
             messages = opening_messages(observation, self.system_prompt)
@@ -75,6 +80,14 @@ class EnvWorkflow(Workflow):
             except ContextLengthError:
                 termination = Termination.TRUNCATED
             correct = getattr(env, "is_correct", None)
+        except Exception as e:
+            cause = infra_failure(e)
+            if cause is None:
+                raise
+            # Not the model's doing: the rollout is left out of its group (the runner sees it).
+            name = type(env).__name__
+            ctx.mark_infra_failed(f"env {name}: {type(cause).__name__}: {cause}")
+            termination = Termination.ERROR
         finally:
             close = getattr(env, "close", None)
             if close is not None:
@@ -82,5 +95,6 @@ class EnvWorkflow(Workflow):
         episode = ctx.build_episode(None)
         episode.is_correct = None if correct is None else bool(correct)
         episode.termination = termination
+        episode.error = ctx.infra_failure
         episode.metrics["turns"] = float(len(ctx.trajectory().steps))
         return episode

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rllm_async.infra import infra_failure, is_infra_error
 from rllm_async.rollout import ContextLengthError, RolloutContext
 from rllm_async.types import Episode, Termination
 from rllm_async.workflows.base import Workflow
@@ -56,13 +57,17 @@ class Tool:
         }
 
     async def call(self, arguments: dict[str, Any], timeout_s: float) -> str:
-        """The tool's result as text; a failure or a timeout becomes an error text, never a raise."""
+        """The tool's result as text; a failure or a timeout becomes an error text for the model,
+        never a raise, except an infrastructure failure (`rllm_async.infra.InfraError` or a
+        registered type): not the model's doing, it is raised."""
         try:
             async with asyncio.timeout(timeout_s):
                 result = await maybe_await(self.fn(**arguments))
         except TimeoutError:
             return f"error: {self.name} timed out after {timeout_s:.3g}s"
         except Exception as e:
+            if is_infra_error(e):
+                raise
             return f"error: {type(e).__name__}: {e}"
         return result if isinstance(result, str) else json.dumps(result, default=str)
 
@@ -71,7 +76,10 @@ class MultiTurnWorkflow(Workflow):
     """Ask the task's prompt, run the tools the model calls, and feed their results back, until the
     model answers without a tool call or `max_turns` model calls were made.
 
-    Malformed tool calls are answered with a `tool` message naming the error (never raised).
+    Malformed tool calls, and tools that raise, are answered with a `tool` message naming the
+    error (never raised): the model's doing, scored by the reward. A tool whose infrastructure
+    failed (it raised `rllm_async.infra.InfraError`, e.g. a dead sandbox) ends the conversation
+    instead: the rollout is marked infra-failed (`ctx.mark_infra_failed`), never scored or trained.
     `reward_fn(task, messages)` scores the whole conversation (the final answer is
     `messages[-1]["content"]`) and returns a reward or `(reward, is_correct)`.
     """
@@ -110,6 +118,11 @@ class MultiTurnWorkflow(Workflow):
             termination = Termination.TIMEOUT
         except ContextLengthError:
             termination = Termination.TRUNCATED
+        if ctx.infra_failure is not None:  # not scored: the runner leaves the rollout out
+            episode = ctx.build_episode(None)
+            episode.termination, episode.error = Termination.ERROR, ctx.infra_failure
+            episode.metrics.update(stats)
+            return episode
         reward, correct = score(self.reward_fn, task, messages)
         ctx.set_reward(reward)
         episode = ctx.build_episode(None)
@@ -132,8 +145,19 @@ class MultiTurnWorkflow(Workflow):
             stats["tool_errors"] += len(turn.tool_call_errors)
             time_left = max(0.0, ctx.time_left - self.deadline_grace_s)
             timeout = min(self.tool_timeout_s, time_left)
-            results = await asyncio.gather(*(self._run_call(c, timeout) for c in calls))
-            messages.extend(results)
+            results = await asyncio.gather(
+                *(self._run_call(c, timeout) for c in calls), return_exceptions=True
+            )
+            for c, result in zip(calls, results, strict=True):
+                if isinstance(result, BaseException):
+                    cause = infra_failure(result)
+                    if cause is None:
+                        raise result
+                    name = c["function"]["name"]
+                    ctx.mark_infra_failed(f"tool {name}: {type(cause).__name__}: {cause}")
+            if ctx.infra_failure is not None:
+                return Termination.ERROR
+            messages.extend(r for r in results if isinstance(r, dict))
             messages.extend(
                 {"role": "tool", "content": f"error: {e}"} for e in turn.tool_call_errors
             )
