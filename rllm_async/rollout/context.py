@@ -18,6 +18,12 @@ from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
 from rllm_async.rollout.tool_calls import tool_schemas
 from rllm_async.types import Episode, Step, StepRef, Termination, Trajectory
 
+COMPACT_PROMPT = (
+    "Summarize the conversation so far: the task, what was done and what was learned, "
+    "everything needed to go on. Reply with the summary only."
+)
+SUMMARY_TEMPLATE = "A summary of the conversation so far:\n{summary}"
+
 
 class ContextLengthError(ValueError):
     """A prompt leaves no room for a completion in the policy's context (`max_context_tokens`)."""
@@ -333,6 +339,54 @@ class RolloutContext:
             step.info["forced_prefix"] = prefix
         history.add(messages, message, tools, step.prompt_ids, step.completion_ids, template_kwargs)
         return ChatTurn(copy.deepcopy(message), step, parsed.errors, extended)
+
+    async def compact(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        budget_tokens: int,
+        tools: list[dict[str, Any]] | None = None,
+        prompt: str = COMPACT_PROMPT,
+        summary_template: str = SUMMARY_TEMPLATE,
+        actor: str = "default",
+        template_kwargs: dict[str, Any] | None = None,
+        **sampling: Any,
+    ) -> list[dict[str, Any]]:
+        """`messages` as they are while the next turn's prompt for them has at most
+        `budget_tokens` tokens; past that, compacted by the policy itself.
+
+        Compacting asks the policy to summarize (`messages`, then a user turn `prompt`: a turn
+        that extends the conversation's exact tokens, recorded as a step of `actor` with
+        `info["compaction"]`, and trained as any step: with the trajectory's, so the episode's,
+        credit), and returns the conversation to go on from: the leading system messages and the
+        first user message of `messages`, then a user turn `summary_template` with the summary.
+        The next turn renders that afresh, so the conversation before and after are separate
+        token sequences, each exact. `tools` and `template_kwargs` are the conversation's (the
+        summary request renders as its next turn would); `sampling` overrides the summary's
+        sampling (`max_tokens`).
+        """
+        history = self.chat_history(actor)
+        try:
+            prompt_ids, _ = history.prompt(self.policy.tokenizer, messages, tools, template_kwargs)
+        except Exception as e:  # templates raise anything, jinja2 errors included
+            raise ChatTemplateError(f"the chat template refused the messages: {e}") from e
+        if len(prompt_ids) <= budget_tokens:
+            return messages
+        request = [*messages, {"role": "user", "content": prompt}]
+        turn = await self.chat_turn(
+            request, tools=tools, actor=actor, template_kwargs=template_kwargs, **sampling
+        )
+        turn.step.info["compaction"] = {"prompt_tokens": len(prompt_ids), "budget": budget_tokens}
+        summary = turn.message.get("content") or ""
+        head = 0
+        while head < len(messages) and messages[head].get("role") == "system":
+            head += 1
+        if head < len(messages) and messages[head].get("role") == "user":
+            head += 1
+        return [
+            *copy.deepcopy(messages[:head]),
+            {"role": "user", "content": summary_template.format(summary=summary)},
+        ]
 
     def tool_call_prefix(self, name: str | None) -> str:
         """The opening of a forced tool call in the policy's syntax: `name`'s call, or any call."""
