@@ -59,13 +59,37 @@ class TokenSequence:
         return sum(self.loss_mask)
 
 
+@dataclass(slots=True, frozen=True)
+class StepRef:
+    """Where a branch of a rollout's tree starts: after step `step` of the trajectory `node`
+    (None: before its first step). `kind` is `spawn` (a subagent with its own conversation) or
+    `fork` (a branch that continues the parent's exact tokens)."""
+
+    node: str
+    step: int | None
+    kind: str = "spawn"
+
+
 @dataclass(slots=True)
 class Trajectory:
-    """The steps of one actor in one rollout; `name` tells actors apart in multi-agent workflows."""
+    """The steps of one actor in one rollout; `name` tells actors apart in multi-agent workflows.
+
+    In a rollout's tree (`RolloutContext.spawn` and `fork`), `name` is the role that groups
+    trajectories for the advantage, `node` is the trajectory's own id in its rollout, and
+    `parent` the step it branched from; a top-level actor has `node` None (its `name` is its id)
+    and no parent.
+    """
 
     steps: list[Step] = field(default_factory=list)
     reward: float = 0.0
     name: str = "default"
+    node: str | None = None
+    parent: StepRef | None = None
+
+    @property
+    def node_id(self) -> str:
+        """The trajectory's id in its rollout: `node`, or `name` for a top-level actor."""
+        return self.node if self.node is not None else self.name
 
     @property
     def num_completion_tokens(self) -> int:

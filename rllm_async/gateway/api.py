@@ -26,6 +26,8 @@ from rllm_async.types import Step
 
 log = logging.getLogger("rllm_async.gateway")
 SESSION_HEADER = "x-session-id"
+# Names the subagent a call is for: it records into the session's child of that role.
+ROLE_HEADER = "x-agent-role"
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 Handler = Callable[[Request], Awaitable[Response]]
@@ -148,18 +150,22 @@ class API:
         except RecursionError:
             raise APIError(400, "the body is nested too deeply", code="invalid_json") from None
 
-    def session(self, request: Request) -> Session | None:
+    def session(self, request: Request, *, role: bool = True) -> Session | None:
         """The session a call records into: named by the path, the `X-Session-Id` header or the
-        API key (one of them, or several that agree), else none."""
+        API key (one of them, or several that agree), else none; with an `X-Agent-Role` header
+        (unless `role` is False), that session's child of the role (`Session.child`)."""
         keyed: Session | None = request.state.keyed
         sid = request.path_params.get("sid") or request.headers.get(SESSION_HEADER)
-        if sid is None:
-            return keyed
-        session = self.gw.sessions.get(sid)
-        if keyed is not None and keyed is not session:
+        session = keyed if sid is None else self.gw.sessions.get(sid)
+        if sid is not None and keyed is not None and keyed is not session:
             raise APIError(
                 403, "the API key belongs to another session", code="session_key_mismatch"
             )
+        name = request.headers.get(ROLE_HEADER) if role else None
+        if session is not None and name:
+            if len(name) > 128:
+                raise APIError(400, "X-Agent-Role: at most 128 characters", code="invalid_header")
+            session = session.child(name)
         return session
 
     def check_model(self, name: str) -> None:

@@ -17,7 +17,7 @@ from rllm_async.gateway.chat_completions import chat_completions
 from rllm_async.gateway.completions import completions
 from rllm_async.gateway.errors import APIError, anthropic_error_response, error_response
 from rllm_async.gateway.openapi import openapi_document
-from rllm_async.gateway.protocol import OpenSessionRequest, RewardRequest
+from rllm_async.gateway.protocol import OpenChildRequest, OpenSessionRequest, RewardRequest
 from rllm_async.gateway.responses import responses
 
 log = logging.getLogger("rllm_async.gateway")
@@ -45,6 +45,7 @@ def build_app(gateway: GatewayState) -> Starlette:
         Route("/sessions/{sid}", api.endpoint(_get_session), methods=["GET"]),
         Route("/sessions/{sid}", api.endpoint(_delete_session), methods=["DELETE"]),
         Route("/sessions/{sid}/reward", api.endpoint(_reward), methods=["POST"]),
+        Route("/sessions/{sid}/children", api.endpoint(_open_child), methods=["POST"]),
         *(Route(path, fn, methods=m) for path, fn, m in v1),
         *(Route("/sessions/{sid}" + path, fn, methods=m) for path, fn, m in v1),
     ]
@@ -102,6 +103,24 @@ async def _open_session(api: API, request: Request) -> Response:
         "base_url": api.gw.session_url(session.id, request),
         "api_key": session.key,
         "task": session.task,
+    }
+    return JSONResponse(body, status_code=201)
+
+
+async def _open_child(api: API, request: Request) -> Response:
+    """A child session for a subagent, with its own id, base URL and API key; allowed wherever
+    its parent's calls are (trainer-managed sessions included)."""
+    parent = api.session(request, role=False)
+    assert parent is not None
+    req = await api.body(request, OpenChildRequest)
+    child = api.gw.sessions.open_child(parent, req.role)
+    tip = child.ctx.trajectory().parent
+    body = {
+        "id": child.id,
+        "base_url": api.gw.session_url(child.id, request),
+        "api_key": child.key,
+        "role": req.role,
+        "parent": {"session": parent.id, "node": tip.node, "step": tip.step} if tip else None,
     }
     return JSONResponse(body, status_code=201)
 

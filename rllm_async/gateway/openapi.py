@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from rllm_async.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    OpenChildRequest,
     OpenSessionRequest,
     RewardRequest,
 )
@@ -84,7 +85,7 @@ def openapi_document() -> dict[str, Any]:
         MessagesRequest,
         CountTokensRequest,
     )
-    for model in (*models, OpenSessionRequest, RewardRequest):
+    for model in (*models, OpenSessionRequest, RewardRequest, OpenChildRequest):
         schema = model.model_json_schema(ref_template=_REF)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
@@ -117,6 +118,10 @@ def openapi_document() -> dict[str, Any]:
         "/sessions/{sid}/reward": {
             "parameters": [_SESSION],
             "post": _operation("report the episode's reward; closes the session", RewardRequest),
+        },
+        "/sessions/{sid}/children": {
+            "parameters": [_SESSION],
+            "post": _operation("open a child session for a subagent of a role", OpenChildRequest),
         },
         **v1,
     }

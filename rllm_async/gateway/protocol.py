@@ -282,6 +282,13 @@ class OpenSessionRequest(StrictModel):
     task: str | None = Field(default=None, min_length=1, max_length=512)
 
 
+class OpenChildRequest(StrictModel):
+    """`POST /sessions/{id}/children`: a child session for a subagent of `role`, whose
+    trajectory is grouped with the other trajectories of that role for the advantage."""
+
+    role: str = Field(min_length=1, max_length=128)
+
+
 class RewardRequest(StrictModel):
     """`POST /sessions/{id}/reward`: the episode's reward, a finite number; `task` names its group
     (instead of, or the same as, the key given when the session was opened). With `response_id`

@@ -172,8 +172,9 @@ class Gateway:
         self, session_id: str, reward: float, task: str | None, response_id: str | None = None
     ) -> Session:
         """Record the reward of an open session's episode and close it (`on_reward` takes it),
-        or with `response_id` the reward of that reply alone (the session stays open); an
-        APIError, changing nothing, when the session is gone or cannot take it."""
+        or with `response_id` the reward of that reply alone (the session stays open); a child
+        session's reward is its branch's own credit, and closes only the child. An APIError,
+        changing nothing, when the session is gone or cannot take it."""
         self.sessions.expire()  # a reward past the session's TTL is late
         session = self.sessions.get(session_id)
         if task is not None and session.task is not None and task != session.task:
@@ -195,7 +196,7 @@ class Gateway:
                 "episode's calls have returned",
                 code="session_busy",
             )
-        if not session.ctx.trajectories():
+        if not (session.ctx.trajectory().steps if session.parent else session.ctx.trajectories()):
             raise APIError(
                 409,
                 f"session {session_id!r} recorded no model call: there is no episode to reward",
@@ -204,7 +205,9 @@ class Gateway:
         session.reward = reward
         session.task = task or session.task
         self.sessions.close(session_id, "rewarded")
-        if self.on_reward is not None:
+        if session.parent is not None:
+            session.ctx.set_reward(reward)  # a subagent's own reward: its branch's credit
+        elif self.on_reward is not None:
             self.on_reward(session)
         return session
 

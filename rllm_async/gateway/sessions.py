@@ -26,6 +26,11 @@ class Session:
 
     A `locked` session samples with its context's temperature and top_p (the trainer's loss assumes
     them); a request asking for others is refused.
+
+    A child session (`child`, `spawn`) records a subagent's calls into a branch of its parent's
+    rollout (`RolloutContext.spawn`): its trajectory is named by its `role` and linked to the
+    parent's latest step when the child opened. Its calls count against its ancestors' limits
+    too, and closing a session closes its children.
     """
 
     id: str
@@ -40,17 +45,55 @@ class Session:
     calls: int = 0
     closed: bool = False
     reward: float | None = None  # reported by the client (`POST /sessions/{id}/reward`)
+    parent: Session | None = None
     _inflight: set[asyncio.Task[Any]] = field(default_factory=set)
+    _children: list[Session] = field(default_factory=list)
+    _by_role: dict[str, Session] = field(default_factory=dict)  # the `X-Agent-Role` children
+
+    @property
+    def role(self) -> str | None:
+        """A child session's role (its branch's trajectory name); None for a rollout's session."""
+        return self.ctx.role
+
+    def spawn(self, role: str) -> Session:
+        """A new child session of `role`, its branch linked to this session's latest step."""
+        if self.closed:
+            raise APIError(404, f"session {self.id} is closed", code="session_not_found")
+        child = Session(
+            f"{self.id}-{len(self._children)}",
+            self.ctx.spawn(role),
+            self.locked,
+            self.max_calls,
+            self.task,
+            parent=self,
+        )
+        self._children.append(child)
+        return child
+
+    def child(self, role: str) -> Session:
+        """The child session of `role` that calls naming it (`X-Agent-Role`) record into,
+        opened by the first of them."""
+        if role == self.role:
+            return self
+        child = self._by_role.get(role)
+        if child is None or child.closed:
+            child = self._by_role[role] = self.spawn(role)
+        return child
 
     async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """Run one request's model calls; they are cancelled if the session closes meanwhile."""
         if self.closed:
             raise APIError(404, f"session {self.id} is closed", code="session_not_found")
-        if self.calls >= self.max_calls:
-            raise APIError(
-                429, f"session {self.id} made its {self.max_calls} calls", code="too_many_calls"
-            )
-        self.calls += 1
+        chain = [self]
+        while chain[-1].parent is not None:
+            chain.append(chain[-1].parent)
+        for s in chain:
+            if s.calls >= s.max_calls:
+                raise APIError(
+                    429, f"session {s.id} made its {s.max_calls} calls", code="too_many_calls"
+                )
+        for s in chain:
+            s.calls += 1
         task = asyncio.ensure_future(fn())
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
@@ -66,16 +109,27 @@ class Session:
 
     @property
     def busy(self) -> bool:
-        """Whether a call is in flight."""
-        return bool(self._inflight)
+        """Whether a call is in flight, in this session or a child."""
+        return bool(self._inflight) or any(c.busy for c in self._children)
 
     def close(self) -> None:
         self.closed = True
         for task in list(self._inflight):
             task.cancel()
+        for child in self._children:
+            child.close()
+
+    def descendants(self) -> list[Session]:
+        """Its children, theirs, and so on."""
+        out = []
+        for child in self._children:
+            out += [child, *child.descendants()]
+        return out
 
     def records(self) -> dict[str, Any]:
-        """Every call's exact tokens, logprobs and versions, by actor (JSON-ready)."""
+        """Every call's exact tokens, logprobs and versions, by node of the rollout's tree (an
+        actor's name, or a branch's id), and the tree: each branch's role and parent step
+        (JSON-ready)."""
         trajectories = self.ctx.trajectories()
         return {
             "id": self.id,
@@ -84,7 +138,16 @@ class Session:
             "created": self.created,
             "calls": self.calls,
             "reward": self.reward,
-            "trajectories": {t.name: [step_record(s) for s in t.steps] for t in trajectories},
+            "trajectories": {t.node_id: [step_record(s) for s in t.steps] for t in trajectories},
+            "tree": {
+                t.node_id: {
+                    "role": t.name,
+                    "parent": None
+                    if t.parent is None
+                    else {"node": t.parent.node, "step": t.parent.step, "kind": t.parent.kind},
+                }
+                for t in trajectories
+            },
         }
 
 
@@ -160,6 +223,20 @@ class SessionStore:
         self._by_key[session.key] = session
         return session
 
+    def open_child(self, parent: Session, role: str) -> Session:
+        """A child session of `parent` with an id and API key of its own, for a subagent whose
+        calls the client sends apart (`POST /sessions/{id}/children`)."""
+        if len(self._open) >= self.max_sessions:
+            raise APIError(
+                429,
+                f"{len(self._open)} sessions are open (max {self.max_sessions}): close finished ones",
+                code="too_many_sessions",
+            )
+        child = parent.spawn(role)
+        self._open[child.id] = child
+        self._by_key[child.key] = child
+        return child
+
     def by_key(self, key: str) -> Session | None:
         """The open session whose API key is `key`."""
         return self._by_key.get(key)
@@ -187,15 +264,23 @@ class SessionStore:
             return None
         del self._by_key[session.key]
         session.close()
+        for child in session.descendants():  # children opened with keys of their own
+            if self._open.pop(child.id, None) is not None:
+                del self._by_key[child.key]
+                self._forget(child, how)
+        self._forget(session, how)
+        if self.export_path is not None and session.parent is None:
+            with self.export_path.open("a") as f:
+                f.write(json.dumps(session.records()) + "\n")
+        return session
+
+    def _forget(self, session: Session, how: str) -> None:
+        session_id = session.id
         self._ended[session_id] = how
         self._ended_keys[session.key] = session_id
         if len(self._ended) > self.remember:
             self._ended.popitem(last=False)
             self._ended_keys.popitem(last=False)
-        if self.export_path is not None:
-            with self.export_path.open("a") as f:
-                f.write(json.dumps(session.records()) + "\n")
-        return session
 
     def close_all(self) -> None:
         for session_id in list(self._open):
@@ -204,7 +289,10 @@ class SessionStore:
     def expire(self) -> None:
         """Close sessions past their context's deadline (standalone sessions have a TTL)."""
         loop = asyncio.get_running_loop()
-        for session in [s for s in self._open.values() if s.ctx.deadline <= loop.time()]:
+        expired = [
+            s for s in self._open.values() if s.parent is None and s.ctx.deadline <= loop.time()
+        ]
+        for session in expired:
             self.close(session.id, "expired")
             if self.on_expired is not None:
                 self.on_expired(session)

@@ -1,6 +1,8 @@
 """Rollout recording: `RolloutContext` and the chat plumbing that turns model calls into Steps."""
 
 from rllm_async.rollout.context import (
+    COMPACT_PROMPT,
+    SUMMARY_TEMPLATE,
     CallMeter,
     ChatTemplateError,
     ChatTurn,
@@ -10,6 +12,8 @@ from rllm_async.rollout.context import (
 from rllm_async.rollout.pause import Pause, SyncPause
 
 __all__ = [
+    "COMPACT_PROMPT",
+    "SUMMARY_TEMPLATE",
     "CallMeter",
     "ChatTemplateError",
     "ChatTurn",

@@ -146,6 +146,12 @@ class ChatHistory:
     def __init__(self) -> None:
         self._tips: list[_Tip] = []
 
+    def copy(self) -> ChatHistory:
+        """A history with the same replies, which later turns of either extend independently."""
+        out = ChatHistory()
+        out._tips = list(self._tips)
+        return out
+
     def add(
         self,
         messages: Sequence[dict[str, Any]],

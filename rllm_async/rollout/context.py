@@ -16,7 +16,13 @@ from rllm_async.rollout.deadline import Deadline
 from rllm_async.rollout.pause import Pause, SyncPause
 from rllm_async.rollout.reply_parser import ReplyParser, reply_parser
 from rllm_async.rollout.tool_calls import tool_schemas
-from rllm_async.types import Episode, Step, Termination, Trajectory
+from rllm_async.types import Episode, Step, StepRef, Termination, Trajectory
+
+COMPACT_PROMPT = (
+    "Summarize the conversation so far: the task, what was done and what was learned, "
+    "everything needed to go on. Reply with the summary only."
+)
+SUMMARY_TEMPLATE = "A summary of the conversation so far:\n{summary}"
 
 
 class ContextLengthError(ValueError):
@@ -73,6 +79,12 @@ class RolloutContext:
     Per-step rewards (`set_step_reward`) are added to the actor's outcome reward (`set_reward`, or
     the float `run` returns) when the episode is built: the trajectory's reward, which the group
     advantage uses, is the outcome plus the sum of its steps' rewards.
+
+    `spawn(role)` and `fork()` return a context of a branch of the rollout's tree: a trajectory
+    of its own (named `role`, which groups it for the advantage), linked to the step it branched
+    from, sampled on the same pinned version and deadline. A branch's reward is the episode's
+    reward unless the workflow gives its own (`set_reward` on the branch), plus its steps'
+    rewards (`build_episode`).
     """
 
     def __init__(
@@ -110,18 +122,25 @@ class RolloutContext:
         self._chats: dict[str, ChatHistory] = {}
         self._meter = meter
         # Why the rollout's infrastructure failed, once a workflow says so (`mark_infra_failed`).
-        self.infra_failure: str | None = None
+        self._infra_failure: str | None = None
+        # The tree: the root context owns the version, deadline and pause; a branch's context
+        # (`spawn`, `fork`) shares its records and names its own node.
+        self._root: RolloutContext = self
+        self._node: str | None = None
+        self._own_rewards: set[str] = set()  # branches whose reward the workflow gave
+        self._branches = 0
 
     @property
     def deadline(self) -> float:
         """When this episode must end, on the event loop's clock; later by every sync it waited for."""
-        return self._deadline
+        return self._root._deadline
 
     def timeout(self, margin_s: float = 0.0) -> Deadline:
         """A scope that raises TimeoutError `margin_s` before the deadline, and moves with it:
         `with ctx.timeout(margin_s):` (or `async with`, as with `asyncio.timeout`)."""
-        scope = Deadline(self._deadline - margin_s)
-        self._scopes[scope] = margin_s
+        root = self._root
+        scope = Deadline(root._deadline - margin_s)
+        root._scopes[scope] = margin_s
         return scope
 
     @property
@@ -131,7 +150,57 @@ class RolloutContext:
 
     @property
     def pinned_version(self) -> int | None:
-        return self._version
+        return self._root._version
+
+    @property
+    def node(self) -> str | None:
+        """This branch's node id in the rollout's tree; None for the rollout's own context."""
+        return self._node
+
+    @property
+    def role(self) -> str | None:
+        """This branch's role (its trajectory's `name`); None for the rollout's own context."""
+        return None if self._node is None else self._trajectories[self._node].name
+
+    def _key(self, actor: str) -> str:
+        """The trajectory that `actor` names: in a branch's context, only its own."""
+        if self._node is None:
+            return actor
+        if actor not in ("default", self._trajectories[self._node].name):
+            raise ValueError(
+                f"actor {actor!r}: a branch's context records its own trajectory only; "
+                "spawn a branch for another actor"
+            )
+        return self._node
+
+    def spawn(self, role: str, *, actor: str = "default") -> RolloutContext:
+        """A subagent: a branch with a conversation of its own, its trajectory named `role`,
+        linked to the latest step of this context's trajectory (of `actor`)."""
+        return self._branch(role, actor, "spawn")
+
+    def fork(self, role: str | None = None, *, actor: str = "default") -> RolloutContext:
+        """A branch that continues from this context's exact tokens: its chat history is a copy
+        of this one's, so its next `chat_turn` that continues the conversation extends the latest
+        step's prompt and completion; its trajectory is its own (named `role`, by default this
+        trajectory's name), linked to that step."""
+        return self._branch(role, actor, "fork")
+
+    def _branch(self, role: str | None, actor: str, kind: str) -> RolloutContext:
+        root = self._root
+        parent = self._key(actor)
+        steps = root._trajectories[parent].steps if parent in root._trajectories else []
+        name = role or (root._trajectories[parent].name if parent in root._trajectories else actor)
+        if not name:
+            raise ValueError("a branch needs a role (a non-empty name)")
+        node = f"{parent}/{name}.{root._branches}"
+        root._branches += 1
+        ref = StepRef(parent, len(steps) - 1 if steps else None, kind)
+        root._trajectories[node] = Trajectory(name=name, node=node, parent=ref)
+        if kind == "fork" and parent in root._chats:
+            root._chats[node] = root._chats[parent].copy()
+        child = copy.copy(self)
+        child._node = node
+        return child
 
     @property
     def num_completion_tokens(self) -> int:
@@ -139,20 +208,24 @@ class RolloutContext:
         return sum(t.num_completion_tokens for t in self._trajectories.values())
 
     def trajectories(self) -> list[Trajectory]:
-        """Every actor's trajectory recorded so far (rewards not yet combined; see build_episode)."""
+        """Every trajectory of the rollout recorded so far, every branch's included (rewards not
+        yet combined; see build_episode)."""
         return list(self._trajectories.values())
 
     def chat_history(self, actor: str = "default") -> ChatHistory:
         """The chat turns of `actor` so far, which later turns' prompts extend (`chat_turn`)."""
-        history = self._chats.get(actor)
+        key = self._key(actor)
+        history = self._chats.get(key)
         if history is None:
-            history = self._chats[actor] = ChatHistory()
+            history = self._chats[key] = ChatHistory()
         return history
 
     def trajectory(self, actor: str = "default") -> Trajectory:
-        traj = self._trajectories.get(actor)
+        """The trajectory of `actor` (in a branch's context, the branch's own)."""
+        key = self._key(actor)
+        traj = self._trajectories.get(key)
         if traj is None:
-            traj = self._trajectories[actor] = Trajectory(name=actor)
+            traj = self._trajectories[key] = Trajectory(name=key)
         return traj
 
     async def generate(
@@ -177,16 +250,17 @@ class RolloutContext:
                 "constrain decoding (the local sampler, the sim and the vLLM engine, "
                 "backend.rollout: vllm, can): check the reply after sampling instead"
             )
-        meter = self._meter
+        root = self._root
+        meter = root._meter
         if meter is not None:
             meter.call_began()
         try:
-            if self.pause.paused:
-                await self._wait_out_sync()
-            if self._pin and self._version is None:
-                self._version = self.policy.acquire()
-                self._owns_version = True
-            out = await self.policy.generate(prompt_ids, params, version=self._version)
+            if root.pause.paused:
+                await root._wait_out_sync()
+            if root._pin and root._version is None:
+                root._version = self.policy.acquire()
+                root._owns_version = True
+            out = await self.policy.generate(prompt_ids, params, version=root._version)
         finally:
             if meter is not None:
                 meter.call_ended()
@@ -268,6 +342,54 @@ class RolloutContext:
         history.add(messages, message, tools, step.prompt_ids, step.completion_ids, template_kwargs)
         return ChatTurn(copy.deepcopy(message), step, parsed.errors, extended)
 
+    async def compact(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        budget_tokens: int,
+        tools: list[dict[str, Any]] | None = None,
+        prompt: str = COMPACT_PROMPT,
+        summary_template: str = SUMMARY_TEMPLATE,
+        actor: str = "default",
+        template_kwargs: dict[str, Any] | None = None,
+        **sampling: Any,
+    ) -> list[dict[str, Any]]:
+        """`messages` as they are while the next turn's prompt for them has at most
+        `budget_tokens` tokens; past that, compacted by the policy itself.
+
+        Compacting asks the policy to summarize (`messages`, then a user turn `prompt`: a turn
+        that extends the conversation's exact tokens, recorded as a step of `actor` with
+        `info["compaction"]`, and trained as any step: with the trajectory's, so the episode's,
+        credit), and returns the conversation to go on from: the leading system messages and the
+        first user message of `messages`, then a user turn `summary_template` with the summary.
+        The next turn renders that afresh, so the conversation before and after are separate
+        token sequences, each exact. `tools` and `template_kwargs` are the conversation's (the
+        summary request renders as its next turn would); `sampling` overrides the summary's
+        sampling (`max_tokens`).
+        """
+        history = self.chat_history(actor)
+        try:
+            prompt_ids, _ = history.prompt(self.policy.tokenizer, messages, tools, template_kwargs)
+        except Exception as e:  # templates raise anything, jinja2 errors included
+            raise ChatTemplateError(f"the chat template refused the messages: {e}") from e
+        if len(prompt_ids) <= budget_tokens:
+            return messages
+        request = [*messages, {"role": "user", "content": prompt}]
+        turn = await self.chat_turn(
+            request, tools=tools, actor=actor, template_kwargs=template_kwargs, **sampling
+        )
+        turn.step.info["compaction"] = {"prompt_tokens": len(prompt_ids), "budget": budget_tokens}
+        summary = turn.message.get("content") or ""
+        head = 0
+        while head < len(messages) and messages[head].get("role") == "system":
+            head += 1
+        if head < len(messages) and messages[head].get("role") == "user":
+            head += 1
+        return [
+            *copy.deepcopy(messages[:head]),
+            {"role": "user", "content": summary_template.format(summary=summary)},
+        ]
+
     def tool_call_prefix(self, name: str | None) -> str:
         """The opening of a forced tool call in the policy's syntax: `name`'s call, or any call."""
         return self.parser.tool.forced_prefix(name)
@@ -295,7 +417,11 @@ class RolloutContext:
             scope.reschedule(None if stopped else self._deadline - margin_s)
 
     def set_reward(self, reward: float, actor: str = "default") -> None:
+        """The outcome reward of `actor`; in a branch's context, the branch's own reward, which
+        replaces the episode's as its credit."""
         self.trajectory(actor).reward = float(reward)
+        if self._node is not None:
+            self._own_rewards.add(self._node)
 
     def set_step_reward(self, reward: float, actor: str = "default") -> None:
         """Reward the latest step of `actor` (per-step rewards for multi-turn workflows)."""
@@ -307,52 +433,91 @@ class RolloutContext:
         rollout is left out of its group's advantages and counted as `rollout/infra_failed`
         (`rllm_async.infra`). `reason` names what failed; the first one given is kept. Raising
         `rllm_async.infra.InfraError` out of `run` does the same."""
-        if self.infra_failure is None:
-            self.infra_failure = reason or "infrastructure failure"
+        root = self._root
+        if root._infra_failure is None:
+            root._infra_failure = reason or "infrastructure failure"
+
+    @property
+    def infra_failure(self) -> str | None:
+        """Why the rollout's infrastructure failed (`mark_infra_failed` in any of its branches)."""
+        return self._root._infra_failure
 
     def close(self) -> None:
-        """Release the pinned snapshot; called once by the trainer when the rollout ends."""
-        if self._owns_version and self._version is not None:
+        """Release the pinned snapshot; called once by the trainer when the rollout ends (a
+        branch's context has nothing of its own to release)."""
+        if self._node is None and self._owns_version and self._version is not None:
             self.policy.release(self._version)
             self._owns_version = False
 
     def build_episode(self, result: Episode | float | None) -> Episode:
         """Turn what `Workflow.run` returned into an Episode holding this context's trajectories.
 
-        A returned float is the outcome reward of the single trajectory; each of this context's
-        trajectories then gets its steps' rewards added.
+        A returned float is the outcome reward of the single top-level trajectory; each of this
+        context's top-level trajectories then gets its steps' rewards added, and the episode's
+        reward is their sum. Each branch (`spawn`, `fork`) with a step gets its credit: its own
+        reward when the workflow gave one, else the episode's, plus its steps' rewards; a branch
+        that made no model call is left out.
+
+        In a branch's context, the episode of that branch alone, its reward what the branch's
+        credit would be without the episode's (nothing is changed: the rollout's own context
+        builds the rollout's episode).
         """
+        if self._node is not None:
+            return self._branch_episode(result)
         trajs = list(self._trajectories.values())
+        top = [t for t in trajs if t.parent is None]
         if isinstance(result, Episode):
             if not result.trajectories:
-                result.trajectories = _finished(trajs)
+                result.trajectories = self._credited(_finished(top), result.reward)
             return _checked(result)
         if result is not None:
             if not isinstance(result, (int, float)):
                 raise TypeError(
                     f"Workflow.run must return an Episode, a float or None, got {type(result).__name__}"
                 )
-            if len(trajs) > 1:
+            if len(top) > 1:
                 raise TypeError(
                     "Workflow.run returned a float but recorded several actors; return an Episode "
                     "or use ctx.set_reward(reward, actor=...) and return None"
                 )
-            for t in trajs:
+            for t in top:
                 t.reward = float(result)
-        _finished(trajs)
+        _finished(top)
         reward: float = 0
-        for t in trajs:
+        for t in top:
             reward += t.reward
-        if not trajs:
+        if not top:
             reward = float(result or 0.0)
         return _checked(
             Episode(
                 task_id=self.task_id,
-                trajectories=trajs,
+                trajectories=self._credited(top, reward),
                 reward=reward,
                 termination=Termination.DONE,
             )
         )
+
+    def _credited(self, top: list[Trajectory], reward: float) -> list[Trajectory]:
+        """`top`, then every branch with a step in recording order, each given its credit: its
+        own reward, or the episode's `reward`, plus its steps' rewards."""
+        out = list(top)
+        for key, t in self._trajectories.items():
+            if t.parent is None or not t.steps:
+                continue
+            if key not in self._own_rewards:
+                t.reward = float(reward)
+            out.append(t)
+        _finished(out[len(top) :])
+        return out
+
+    def _branch_episode(self, result: Episode | float | None) -> Episode:
+        if isinstance(result, Episode):
+            return _checked(result)
+        traj = self.trajectory()
+        if result is not None:
+            self.set_reward(float(result))
+        reward = traj.reward + sum(s.reward for s in traj.steps if s.reward is not None)
+        return _checked(Episode(task_id=self.task_id, trajectories=[traj], reward=reward))
 
 
 def _finished(trajs: list[Trajectory]) -> list[Trajectory]:

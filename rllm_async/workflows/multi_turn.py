@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from rllm_async.infra import infra_failure, is_infra_error
-from rllm_async.rollout import ContextLengthError, RolloutContext
+from rllm_async.rollout import COMPACT_PROMPT, SUMMARY_TEMPLATE, ContextLengthError, RolloutContext
 from rllm_async.types import Episode, Termination
 from rllm_async.workflows.base import Workflow
 from rllm_async.workflows.callables import load, maybe_await, score
+from rllm_async.workflows.compaction import Compaction
 from rllm_async.workflows.prompt import task_messages
 
 RewardFn = Callable[[dict[str, Any], list[dict[str, Any]]], "float | tuple[float, bool]"]
@@ -82,6 +83,12 @@ class MultiTurnWorkflow(Workflow):
     instead: the rollout is marked infra-failed (`ctx.mark_infra_failed`), never scored or trained.
     `reward_fn(task, messages)` scores the whole conversation (the final answer is
     `messages[-1]["content"]`) and returns a reward or `(reward, is_correct)`.
+
+    With `compact_at` (a token budget), a conversation whose next prompt would be longer is
+    compacted first (`RolloutContext.compact`): the policy summarizes it when asked
+    `compact_prompt` (in at most `compact_max_tokens` tokens), the summary is trained as a step of
+    the episode, and the model goes on from the opening turns and the summary. `reward_fn` still
+    gets the whole conversation (every turn before and after, without the summary requests).
     """
 
     def __init__(
@@ -93,9 +100,16 @@ class MultiTurnWorkflow(Workflow):
         system_prompt: str | None = None,
         tool_timeout_s: float = 30.0,
         deadline_grace_s: float = 1.0,
+        compact_at: int | None = None,
+        compact_prompt: str = COMPACT_PROMPT,
+        compact_max_tokens: int | None = None,
+        summary_template: str = SUMMARY_TEMPLATE,
     ) -> None:
         if max_turns < 1:
             raise ValueError("max_turns must be at least 1")
+        self.compaction = Compaction.of(
+            compact_at, compact_prompt, compact_max_tokens, summary_template
+        )
         self.reward_fn: RewardFn = load(reward_fn, "workflow.args.reward_fn")
         self.tools = {t.name: t for t in map(Tool.of, tools or [])}
         self.schemas = [t.schema for t in self.tools.values()] or None
@@ -134,12 +148,19 @@ class MultiTurnWorkflow(Workflow):
     async def _converse(
         self, messages: list[dict[str, Any]], ctx: RolloutContext, stats: dict[str, float]
     ) -> Termination:
+        view = messages  # what the model sees: `messages` until a compaction
         for _ in range(self.max_turns):
-            turn = await ctx.chat_turn(messages, tools=self.schemas)
+            if self.compaction is not None:
+                compacted = await self.compaction.apply(ctx, view, self.schemas)
+                if compacted is not view:
+                    stats["compactions"] = stats.get("compactions", 0.0) + 1
+                    view = compacted
+            turn = await ctx.chat_turn(view, tools=self.schemas)
             stats["turns"] += 1
-            messages.append(turn.message)
+            new = [turn.message]
             calls = turn.message.get("tool_calls", [])
             if not calls and not turn.tool_call_errors:
+                _extend(messages, view, new)
                 return Termination.DONE
             stats["tool_calls"] += len(calls)
             stats["tool_errors"] += len(turn.tool_call_errors)
@@ -157,13 +178,19 @@ class MultiTurnWorkflow(Workflow):
                     ctx.mark_infra_failed(f"tool {name}: {type(cause).__name__}: {cause}")
             if ctx.infra_failure is not None:
                 return Termination.ERROR
-            messages.extend(r for r in results if isinstance(r, dict))
-            messages.extend(
-                {"role": "tool", "content": f"error: {e}"} for e in turn.tool_call_errors
-            )
+            new.extend(r for r in results if isinstance(r, dict))
+            new.extend({"role": "tool", "content": f"error: {e}"} for e in turn.tool_call_errors)
+            _extend(messages, view, new)
         return Termination.MAX_TURNS
 
     async def _run_call(self, call: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         fn = call["function"]
         content = await self.tools[fn["name"]].call(json.loads(fn["arguments"]), timeout_s)
         return {"role": "tool", "tool_call_id": call["id"], "content": content}
+
+
+def _extend(messages: list[dict[str, Any]], view: list[dict[str, Any]], new: list[Any]) -> None:
+    """Add a turn's messages to the whole conversation and, once compacted, to the model's view."""
+    messages.extend(new)
+    if view is not messages:
+        view.extend(new)
