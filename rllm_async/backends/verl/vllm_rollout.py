@@ -41,6 +41,9 @@ class VLLMRollout:
             mode="wait" if pin else opts.vllm.partial_rollouts,
         )
         self.policy = self.engine.policy
+        # verl's actor recomputes logprobs without a grammar's masks: constraints are refused,
+        # not trained inexactly (docs/constrained_decoding.md).
+        self.policy.constrains_decoding = False
 
     def pause(self) -> None:
         """Nothing to do: the servers do not share the training devices' memory with verl."""
