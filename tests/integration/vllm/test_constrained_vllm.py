@@ -130,7 +130,14 @@ def test_the_hermes_parsers_own_grammar_forces_a_call_to_any_tool(
     """What the gateway sends for `tool_choice: required` (`HermesParser.forced_grammar`, its
     markers named by token id) holds on vLLM's guidance backend too."""
     tok = load_tokenizer(tiny_qwen, setting="model")
-    tools = {"get_weather": SCHEMA, "get_time": {"type": "object"}}
+    zone = {"zone": {"enum": ["UTC", "CET"]}}
+    bounded = {
+        "type": "object",
+        "properties": zone,
+        "required": ["zone"],
+        "additionalProperties": False,
+    }
+    tools = {"get_weather": SCHEMA, "get_time": bounded}  # bounded: every call ends in max_tokens
     parser = HermesParser()
     rules = parser.forced_grammar(None, tools, parser.grammar_tokens(tok.encode))
     structured = json.dumps({"grammar": rules})
