@@ -351,8 +351,10 @@ class _Launch:
             _kill_user(self.uid)
         for pipe in (self.status, self.stdout, self.stderr):
             pipe.close()
-        with contextlib.suppress(OSError):
-            os.close(self.stdin)
+        if self.stdin >= 0:
+            # Once: a number closed twice may be another pipe's by the second time.
+            fd, self.stdin = self.stdin, -1
+            os.close(fd)
         self.proc.poll()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -378,7 +380,7 @@ async def _exited(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
 
 
 async def _write_all(fd: int, data: bytes) -> None:
-    """Write `data` to the pipe `fd` without blocking the loop, then close it."""
+    """Write `data` to the pipe `fd` without blocking the loop (its owner closes it)."""
     os.set_blocking(fd, False)
     loop = asyncio.get_running_loop()
     view = memoryview(data)
@@ -395,9 +397,6 @@ async def _write_all(fd: int, data: bytes) -> None:
                     loop.remove_writer(fd)
     except BrokenPipeError:
         pass  # the launcher is gone; its status (or its absence) says why
-    finally:
-        with contextlib.suppress(OSError):
-            os.close(fd)
 
 
 class _Capture:
