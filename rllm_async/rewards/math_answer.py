@@ -20,6 +20,9 @@ import threading
 from typing import Any
 
 TIMEOUT_S = 5.0  # per comparison, parsing included
+# A new worker's start (a spawned interpreter importing math-verify and sympy: seconds, more on a
+# loaded machine) is not a comparison's: it gets its own bound, which only catches a hang.
+STARTUP_TIMEOUT_S = 300.0
 MAX_ANSWER_CHARS = 1000  # a longer "answer" is refused unparsed
 
 _GSM8K = re.compile(r"####\s*([^\n]*)")
@@ -70,6 +73,7 @@ def _check(gold: str, given: str) -> bool:
             _pool = concurrent.futures.ProcessPoolExecutor(
                 1, mp_context=multiprocessing.get_context("spawn")
             )
+            _pool.submit(_start).result(timeout=STARTUP_TIMEOUT_S)
         pool = _pool
     try:
         return pool.submit(_verify, gold, given).result(timeout=TIMEOUT_S)
@@ -86,6 +90,11 @@ def _kill(pool: concurrent.futures.ProcessPoolExecutor) -> None:
     for proc in list(getattr(pool, "_processes", {}).values()):
         proc.kill()
     pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _start() -> None:
+    """In a new worker: import what `_verify` needs, before any comparison's clock starts."""
+    import math_verify  # noqa: F401
 
 
 def _verify(gold: str, given: str) -> bool:

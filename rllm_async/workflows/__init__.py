@@ -4,6 +4,7 @@ from rllm_async.workflows.base import Workflow
 from rllm_async.workflows.env import Env, EnvWorkflow
 from rllm_async.workflows.multi_turn import MultiTurnWorkflow, Tool
 from rllm_async.workflows.openai_agent import OpenAIAgentWorkflow
+from rllm_async.workflows.python_tool import PythonTool
 from rllm_async.workflows.single_turn import SingleTurnWorkflow
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "EnvWorkflow",
     "MultiTurnWorkflow",
     "OpenAIAgentWorkflow",
+    "PythonTool",
     "SingleTurnWorkflow",
     "Tool",
     "Workflow",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rllm_async.infra import infra_failure, is_infra_error
+from rllm_async.protocols import PolicyClient
 from rllm_async.rollout import COMPACT_PROMPT, SUMMARY_TEMPLATE, ContextLengthError, RolloutContext
 from rllm_async.types import Episode, Termination
 from rllm_async.workflows.base import Workflow
@@ -38,10 +39,16 @@ class Tool:
 
     @classmethod
     def of(cls, spec: Tool | dict[str, Any]) -> Tool:
-        """A Tool from itself or from config: `{fn: "pkg.mod:func", parameters: {...}, ...}`."""
+        """A Tool from itself or from config: `{fn: "pkg.mod:func", parameters: {...}, ...}`,
+        or `{cls: "pkg.mod:SomeTool", ...}`, a Tool class made with the other keys."""
         if isinstance(spec, Tool):
             return spec
         spec = dict(spec)
+        if "cls" in spec:
+            tool = load(spec.pop("cls"), "workflow.args.tools[].cls")(**spec)
+            if not isinstance(tool, Tool):
+                raise TypeError(f"workflow.args.tools[].cls made {tool!r}, not a Tool")
+            return tool
         fn = load(spec.pop("fn"), "workflow.args.tools[].fn")
         return cls(fn=fn, **spec)
 
@@ -72,6 +79,18 @@ class Tool:
             return f"error: {type(e).__name__}: {e}"
         return result if isinstance(result, str) else json.dumps(result, default=str)
 
+    async def start(self) -> None:
+        """Start what the tool's calls share (a sandbox pool); the workflow's `start` calls it."""
+        return None
+
+    async def close(self) -> None:
+        """Release what `start` or the calls started; the workflow's `close` calls it."""
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """The tool's own figures since the last call (the workflow reports them per step)."""
+        return {}
+
 
 class MultiTurnWorkflow(Workflow):
     """Ask the task's prompt, run the tools the model calls, and feed their results back, until the
@@ -79,7 +98,7 @@ class MultiTurnWorkflow(Workflow):
 
     Malformed tool calls, and tools that raise, are answered with a `tool` message naming the
     error (never raised): the model's doing, scored by the reward. A tool whose infrastructure
-    failed (it raised `rllm_async.infra.InfraError`, e.g. a dead sandbox) ends the conversation
+    failed (it raised `rllm_async.infra.InfraError`, e.g. `SandboxError` from `PythonTool`) ends the conversation
     instead: the rollout is marked infra-failed (`ctx.mark_infra_failed`), never scored or trained.
     `reward_fn(task, messages)` scores the whole conversation (the final answer is
     `messages[-1]["content"]`) and returns a reward or `(reward, is_correct)`.
@@ -118,6 +137,22 @@ class MultiTurnWorkflow(Workflow):
         self.system_prompt = system_prompt
         self.tool_timeout_s = tool_timeout_s
         self.deadline_grace_s = deadline_grace_s
+
+    async def start(self, policy: PolicyClient) -> None:
+        for tool in self.tools.values():
+            await tool.start()
+
+    async def close(self) -> None:
+        for tool in self.tools.values():
+            await tool.close()
+
+    def step_metrics(self) -> dict[str, float]:
+        """Each tool's own figures, as `tool/<name>/<key>`."""
+        return {
+            f"tool/{name}/{key}": value
+            for name, tool in self.tools.items()
+            for key, value in tool.metrics().items()
+        }
 
     async def run(self, task: dict[str, Any], ctx: RolloutContext) -> Episode:
         messages = task_messages(task, self.prompt_key, self.system_prompt)
