@@ -21,6 +21,17 @@ LEN_CAP = 16384
 _STD_NORMAL = NormalDist()
 
 
+def drift_factor(version: float, steps: int, growth: float, shape: str = "linear") -> float:
+    """The factor a drifting quantity has reached at `version`: 1 at version 0, `growth` from
+    `steps` on, linear in between (`shape` "linear") or all at once at `steps` ("step");
+    `steps` 0 or `growth` 1: no drift."""
+    if steps <= 0 or growth == 1.0:
+        return 1.0
+    if shape == "step":
+        return growth if version >= steps else 1.0
+    return 1.0 + (growth - 1.0) * min(1.0, max(0.0, version) / steps)
+
+
 def rollout_length(u: float, median: float, sigma: float, cap: int) -> int:
     """A lognormal rollout length from a uniform draw u in (0, 1), rounded and capped."""
     return min(cap, max(1, round(median * math.exp(sigma * _STD_NORMAL.inv_cdf(u)))))

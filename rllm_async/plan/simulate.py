@@ -56,7 +56,13 @@ def run_config(
     trained_tokens = sum(sum(group[4]) for groups in backend.trained for group in groups)
     opts = backend.opts
     full_rate = ps_rate(min(opts.slots, config.rollout.max_concurrency), opts.rmax, opts.n_half)
-    train_s = trained_tokens / backend.train_rate + len(records) * (opts.t_sync + opts.t_optim)
+    learner_s = trained_tokens / backend.train_rate
+    if opts.train_drift_steps and opts.train_growth != 1.0:  # seconds per token drift by step
+        learner_s = sum(
+            sum(sum(group[4]) for group in groups) * backend.seconds_per_token(step)
+            for step, groups in enumerate(backend.trained)
+        )
+    train_s = learner_s + len(records) * (opts.t_sync + opts.t_optim)
     idle = sum(r["async/trainer_idle_ratio"] * r["time/step_s"] for r in records)
     return {
         "time_s": sim_s,

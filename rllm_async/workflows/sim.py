@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -12,6 +12,7 @@ from rllm_async.algorithms.sim_workload import (
     LEN_CAP,
     LEN_MEDIAN,
     LEN_SIGMA,
+    drift_factor,
     rollout_length,
     rollout_uniforms,
     task_difficulty,
@@ -68,6 +69,15 @@ class SimWorkflowArgs(BaseModel):
     reward_delay_s: float = Field(default=0.0, ge=0.0)
     fail_tasks: list[str] = Field(default_factory=list)
     version_slope: float = 0.02  # logit gain in success probability per policy version
+    # A drifting workload: over `drift_steps` policy versions (0: none) the median length grows
+    # `len_growth` times and the tool seconds of a rollout (`tool_s`, after its model call) go
+    # to `tool_s * tool_growth`; linearly, or at once at drift_steps (`drift_shape: step`).
+    # A rollout drifts by the version it starts on.
+    drift_steps: int = Field(default=0, ge=0)
+    drift_shape: Literal["linear", "step"] = "linear"
+    len_growth: float = Field(default=1.0, gt=0.0)
+    tool_s: float = Field(default=0.0, ge=0.0)
+    tool_growth: float = Field(default=1.0, ge=0.0)
 
 
 def synthetic_tasks(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -108,8 +118,10 @@ class SimWorkflow(Workflow):
             lengths = [per_call + (i < longer) for i in range(calls)]
             outside = recorded.tool_s / calls
         else:
-            lengths = [rollout_length(u_len, a.len_median, a.len_sigma, a.len_cap)]
-            outside = 0.0
+            version = float(getattr(ctx.policy, "version", 0))
+            grow = drift_factor(version, a.drift_steps, a.len_growth, a.drift_shape)
+            lengths = [rollout_length(u_len, a.len_median * grow, a.len_sigma, a.len_cap)]
+            outside = a.tool_s * drift_factor(version, a.drift_steps, a.tool_growth, a.drift_shape)
         prompt = ctx.policy.tokenizer.encode(str(task.get("prompt", task_id)))
         for length in lengths:
             out = await ctx.generate(prompt, max_tokens=length)

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
+from rllm_async.algorithms.sim_workload import drift_factor
 from rllm_async.backends.sim.options import LENGTH_KEYS, SimOptions
 from rllm_async.backends.sim.policy import SimPolicy
 from rllm_async.backends.sim.server import step_profile
@@ -83,7 +84,7 @@ class SimBackend:
     ) -> dict[str, float]:
         lengths = [tuple(t.num_completion_tokens for t in g.trajectories) for g in groups]
         tokens = sum(map(sum, lengths))
-        seconds = tokens / self.train_rate if self.opts.latency == "ps" else 0.0
+        seconds = tokens * self.seconds_per_token(self.steps) if self.opts.latency == "ps" else 0.0
         if seconds:
             await self._beside_generation(seconds, self.opts.train_share, learner=True)
         if self._open_step is None:
@@ -106,7 +107,13 @@ class SimBackend:
         """A no-grad forward pass over `groups` (old logprobs): a third of a training pass's time."""
         tokens = sum(g.num_completion_tokens for g in groups)
         if self.opts.latency == "ps" and tokens:
-            await self._learner_time(tokens / self.train_rate / 3)
+            await self._learner_time(tokens * self.seconds_per_token(self.steps) / 3)
+
+    def seconds_per_token(self, step: int) -> float:
+        """The learner's seconds per token at optimizer step `step` (`train_growth` drifts it)."""
+        o = self.opts
+        growth = drift_factor(step, o.train_drift_steps, o.train_growth, o.train_drift_shape)
+        return growth / self.train_rate
 
     async def optim_step(self) -> dict[str, float]:
         if self.opts.latency == "ps" and self.opts.t_optim:

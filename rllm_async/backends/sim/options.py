@@ -37,6 +37,11 @@ class SimOptions(BaseModel):
     # SmolLM2-135M's vocabulary (49,152 tokens) for a JSON schema and a forced tool call, one
     # thread of a shared 2-core CPU (benchmarks/grammar_mask_cost.py; docs/constrained_decoding.md).
     mask_s: float = Field(default=60e-6, ge=0.0)
+    # Learner seconds per token drift: `train_growth` times the calibrated ones after
+    # `train_drift_steps` optimizer steps (0: no drift), linearly or at once (`train_drift_shape`).
+    train_growth: float = Field(default=1.0, gt=0.0)
+    train_drift_steps: int = Field(default=0, ge=0)
+    train_drift_shape: Literal["linear", "step"] = "linear"
     sync_fail_every: int = Field(default=0, ge=0)  # 0: never
     sync_hang_every: int = Field(default=0, ge=0)  # 0: never
     # The rollout-length distribution train_ratio is calibrated on; from_config takes any of

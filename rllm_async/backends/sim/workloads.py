@@ -1,4 +1,4 @@
-"""The benchmark workloads W1-W4 of the sim backend, as configs."""
+"""The benchmark workloads of the sim backend, as configs: W1-W4 stationary, D1-D2 drifting."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def _workload(
     exception_rate: float = 0.0,
     hang_rate: float = 0.0,
     sync_fail_every: int = 0,
+    drift: dict[str, Any] | None = None,
+    backend_drift: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     slots = 512
     return {
@@ -30,6 +32,7 @@ def _workload(
             "t_sync": 0.5,
             "train_ratio": train_ratio,
             "sync_fail_every": sync_fail_every,
+            **(backend_drift or {}),
         },
         "workflow": {
             "cls": "rllm_async.workflows.sim:SimWorkflow",
@@ -39,6 +42,7 @@ def _workload(
                 "len_cap": len_cap,
                 "exception_rate": exception_rate,
                 "hang_rate": hang_rate,
+                **(drift or {}),
             },
         },
         "data": {
@@ -63,9 +67,23 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "W4": _workload(exception_rate=0.02, hang_rate=0.005, sync_fail_every=50),  # faults
 }
 
+DRIFTING_WORKLOADS: dict[str, dict[str, Any]] = {
+    # Drifting over 60 policy versions (the benchmarks' run length; `--set
+    # workflow.args.drift_steps=300` stretches it). D1: reasoning whose completions grow 3x.
+    "D1": _workload(drift={"drift_steps": 60, "len_growth": 3.0}),
+    # D2: balanced, with a tool call whose latency goes from 5 s to 60 s, and learner seconds per
+    # token that halve (e.g. a larger learner allocation) over the same 60 steps.
+    "D2": _workload(
+        train_ratio=1.0,
+        drift={"drift_steps": 60, "tool_s": 5.0, "tool_growth": 12.0},
+        backend_drift={"train_drift_steps": 60, "train_growth": 0.5},
+    ),
+}
+
 
 def workload_config(name: str, overrides: list[str] | None = None) -> Config:
     """The Config of workload `name` with `key=value` overrides applied (as on the command line)."""
-    if name not in WORKLOADS:
-        raise ConfigError(f"unknown sim workload '{name}': choose one of {', '.join(WORKLOADS)}")
-    return load_config(overrides=overrides, defaults=WORKLOADS[name])
+    every = {**WORKLOADS, **DRIFTING_WORKLOADS}
+    if name not in every:
+        raise ConfigError(f"unknown sim workload '{name}': choose one of {', '.join(every)}")
+    return load_config(overrides=overrides, defaults=every[name])
