@@ -128,7 +128,8 @@ class TrajectoryGroupBuffer:
             normalize_std=alg.normalize_std,
             filter_zero_variance=alg.filter_zero_variance,
             filter_unsolved=alg.filter_unsolved,
-            capacity=(config.coordinator.pipeline_depth + 1) * tr.groups_per_step,
+            capacity=(config.coordinator.depth_ceiling(tr.updates_per_batch) + 1)
+            * tr.groups_per_step,
         )
 
     def __len__(self) -> int:

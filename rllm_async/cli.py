@@ -131,6 +131,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _depth(text: str) -> int | str:
+    """A pipeline depth: a number, or `auto`."""
+    return "auto" if text == "auto" else int(text)
+
+
 def _devices_pair(text: str) -> tuple[int, int]:
     """`G:T` as (G, T); a ConfigError naming the form otherwise."""
     gen, sep, train = text.partition(":")
@@ -285,7 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="run a workload on the simulator: async vs sync")
     sim.add_argument("--workload", default="W1", help="W1-W4 (stationary) or D1-D2 (drifting)")
     sim.add_argument("--mode", choices=["sync", "async"], default="async")
-    sim.add_argument("--pipeline-depth", type=int, default=4)
+    sim.add_argument(
+        "--pipeline-depth", type=_depth, default=4, help="d, or auto (the depth controller)"
+    )
     sim.add_argument("--max-staleness", type=int, default=None, help="hard bound K (default: none)")
     sim.add_argument("--steps", type=int, default=60)
     sim.add_argument("--seed", type=int, default=0)

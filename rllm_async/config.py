@@ -10,7 +10,7 @@ import difflib
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -105,8 +105,21 @@ class RolloutConfig(_Section):
     constraints: Literal["enforce", "check"] = "enforce"
 
 
+class AutoDepthConfig(_Section):
+    """`coordinator.auto`: the controller of `pipeline_depth: auto` (staleness_controller.py)."""
+
+    max_depth: int = Field(default=8, ge=0)  # the ceiling, also when max_staleness allows more
+    initial: int = Field(default=1, ge=0)
+    hold_steps: int = Field(default=2, ge=1)  # at most one change every hold_steps steps
+    target_idle: float = Field(default=0.05, ge=0.0, le=1.0)  # trainer idle ratio to stay under
+    generation_idle: float = Field(default=0.3, ge=0.0, le=1.0)  # lower d when above (if busy)
+    max_waste: float | None = Field(default=None, ge=0.0, le=1.0)  # wasted / generated tokens
+    max_mean_staleness: float | None = Field(default=None, ge=0.0)  # of the consumed groups
+
+
 class CoordinatorConfig(_Section):
-    pipeline_depth: int = Field(default=1, ge=0)
+    pipeline_depth: Annotated[int, Field(ge=0)] | Literal["auto"] = 1
+    auto: AutoDepthConfig = Field(default_factory=AutoDepthConfig)
     max_staleness: int | None = Field(default=1, ge=0)  # null: no hard bound
     stale_policy: Literal["requeue", "drop"] = "requeue"
     weight_update: Literal["pin", "latest"] = "pin"
@@ -117,6 +130,17 @@ class CoordinatorConfig(_Section):
     # count optimizer steps, so tokens keep the version of the weights that sampled them.
     sync_every: int = Field(default=1, ge=1)
     stall_timeout_s: float = Field(default=3600.0, gt=0.0)
+
+    def depth_ceiling(self, updates_per_batch: int) -> int:
+        """The largest pipeline depth a run may use: the fixed one; with `auto`, the largest that
+        `max_staleness` allows (its reach, see `Config`, within the bound), at most
+        `auto.max_depth` (-1 where not even depth 0 fits the bound)."""
+        if self.pipeline_depth != "auto":
+            return self.pipeline_depth
+        if self.max_staleness is None:
+            return self.auto.max_depth
+        room = self.max_staleness - (self.sync_every - 1)
+        return min(self.auto.max_depth, room // updates_per_batch) if room >= 0 else -1
 
 
 class TrainConfig(_Section):
@@ -269,7 +293,10 @@ class Config(_Section):
         _check_batches(tr, self.eval, self.checkpoint)
         # The oldest weights a trained group can come from: d batches of optimizer steps back,
         # and up to sync_every - 1 steps more when the engine is not synced every step.
-        reach = co.pipeline_depth * tr.updates_per_batch + co.sync_every - 1
+        depth = co.depth_ceiling(tr.updates_per_batch)
+        if co.pipeline_depth == "auto":
+            depth = max(0, depth)  # auto keeps within the bound; depth 0 must fit it still
+        reach = depth * tr.updates_per_batch + co.sync_every - 1
         if co.max_staleness is not None and co.max_staleness < reach:
             parts = [f"coordinator.pipeline_depth ({co.pipeline_depth})"]
             if tr.updates_per_batch > 1:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 from rllm_async.config import CoordinatorConfig
 from rllm_async.rollout.pause import SyncPause
+from rllm_async.staleness_controller import DepthChange, DepthController
 
 
 class GroupState(enum.StrEnum):
@@ -124,13 +125,34 @@ class SyncCoordinator:
         self._changed: asyncio.Event | None = None  # made when someone waits, set by `notify`
         self.pause = SyncPause()  # on while a weight sync runs: model calls wait it out
         self._idle: _IdleMeter | None = None  # from the first rollout on
+        # `pipeline_depth: auto`: the depth moves with what each step measured (`observe_step`).
+        self.controller: DepthController | None = None
+        if config.pipeline_depth == "auto":
+            ceiling = config.depth_ceiling(updates_per_batch)
+            self.controller = DepthController(config.auto, ceiling)
 
     # -- admission ---------------------------------------------------------------------------
 
     @property
     def pipeline_depth(self) -> int:
         """d, except during `sync_warmup_steps`, which run on-policy."""
-        return 0 if self.version < self.config.sync_warmup_steps else self.config.pipeline_depth
+        if self.version < self.config.sync_warmup_steps:
+            return 0
+        if self.controller is not None:
+            return self.controller.depth
+        depth = self.config.pipeline_depth
+        assert depth != "auto"  # auto has a controller
+        return depth
+
+    def observe_step(self, record: dict[str, float]) -> DepthChange | None:
+        """Show a step's record to the depth controller (`pipeline_depth: auto`); its change, if
+        it made one (admission follows it at once)."""
+        if self.controller is None:
+            return None
+        change = self.controller.observe(record)
+        if change is not None:
+            self.notify()  # a deeper pipeline admits more now
+        return change
 
     @property
     def outstanding(self) -> int:

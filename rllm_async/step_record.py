@@ -75,6 +75,7 @@ REDUCTIONS: dict[str, Reduce] = {
     "tokens/per_s": "last",
     "data/epoch": "last",
     "train/groups": "last",
+    "coordinator/pipeline_depth": "last",  # pipeline_depth: auto
 }
 # Metrics whose names the backend or the evaluation choose, reduced as a whole.
 FORWARD_BACKWARD: Reduce = "mean"  # a backend's, once per micro-batch

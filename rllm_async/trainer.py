@@ -454,7 +454,10 @@ class _Fit:
         finished = await self.evals.after_step(step, evals)
         if finished:
             record.add(finished[0], EVALUATION)
+        if coord.controller is not None:
+            record.add({"coordinator/pipeline_depth": coord.controller.depth})
         flushed = record.flush(step)
+        change = coord.observe_step(flushed)
         self.recorded = step
         for cb in self.callbacks:
             cb.on_step_end(step, flushed)
@@ -463,6 +466,8 @@ class _Fit:
         if (ck.every_steps and step % ck.every_steps == 0) or (last and ck.at_end):
             await self._save_checkpoint()
         record.next_step(loop.time())
+        if change is not None:  # made after this step's record: the next one says why
+            record.add(change.metrics(), "last")
 
     async def _close_after_data_end(self) -> None:
         """The data ran out after the last step's record was written: groups that ended since

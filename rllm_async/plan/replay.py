@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -29,7 +29,7 @@ class Candidate:
     """One setting to replay; mode sync is `pipeline_depth` 0."""
 
     mode: str
-    pipeline_depth: int
+    pipeline_depth: int | Literal["auto"]
     max_staleness: int | None
     stale_policy: str
     max_concurrency: int
@@ -143,7 +143,7 @@ def recorded_candidate(f: FittedWorkload) -> Candidate:
     sync = m["mode"] == "sync"
     return Candidate(
         m["mode"],
-        0 if sync else int(m["pipeline_depth"]),
+        0 if sync else ("auto" if m["pipeline_depth"] == "auto" else int(m["pipeline_depth"])),
         0 if sync else m["max_staleness"],
         m["stale_policy"],
         int(m["max_concurrency"]),

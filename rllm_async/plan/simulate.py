@@ -127,7 +127,7 @@ def simulate(
     workload: str,
     *,
     mode: str = "async",
-    pipeline_depth: int = 4,
+    pipeline_depth: int | str = 4,
     max_staleness: int | None = None,
     steps: int = 60,
     seed: int = 0,

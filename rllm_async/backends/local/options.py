@@ -64,7 +64,7 @@ def check_vllm(config: Config, opts: LocalOptions) -> None:
             "builds a tiny one), or use rollout: local"
         )
     co = config.coordinator
-    if co.weight_update == "pin" and co.pipeline_depth > 0:
+    if co.weight_update == "pin" and co.pipeline_depth != 0:
         raise ConfigError(
             "backend.rollout: vllm: a vLLM server holds one weight version, so an episode cannot "
             "stay on the version it started with (coordinator.weight_update: pin) while rollouts "

@@ -87,7 +87,7 @@ def check_config(config: Config) -> TinkerOptions:
     options = validate_options(TinkerOptions, config.backend.options, "backend")
     problems = loss_problems(config.algorithm.loss)
     co = config.coordinator
-    if not options.server_snapshots and co.pipeline_depth > 0 and co.weight_update == "pin":
+    if not options.server_snapshots and co.pipeline_depth != 0 and co.weight_update == "pin":
         problems.append(
             "backend.server_snapshots is false (the server's samplers share the training weights), "
             f"but coordinator.pipeline_depth is {co.pipeline_depth} with weight_update: pin, which "

@@ -159,7 +159,7 @@ def check_config(config: Config) -> VerlOptions:
             "old-logprob pass: set it to sampler, or use backend.name: local"
         )
     co = config.coordinator
-    if opts.rollout != "local" and co.weight_update == "pin" and co.pipeline_depth > 0:
+    if opts.rollout != "local" and co.weight_update == "pin" and co.pipeline_depth != 0:
         problems.append(
             f"backend.rollout: {opts.rollout} servers hold one weight version at a time, so an "
             "episode cannot stay on the version it started with (coordinator.weight_update: pin) "

@@ -1,0 +1,212 @@
+"""`coordinator.pipeline_depth: auto`: the depth controller's bounds, convergence and reaction,
+and the trainer and config around it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rllm_async.backends.sim import workload_config
+from rllm_async.config import AutoDepthConfig, ConfigError, CoordinatorConfig
+from rllm_async.coordinator import Counts, SyncCoordinator
+from rllm_async.plan.simulate import run_workload
+from rllm_async.staleness_controller import REASONS, DepthController
+from rllm_async.vclock import run
+from tests import heavy_tailed
+
+
+def _record(idle: float, gen_idle: float = 0.0, **more: float) -> dict[str, float]:
+    return {
+        "time/step_s": 10.0,
+        "async/trainer_idle_ratio": idle,
+        "async/generation_idle_ratio": gen_idle,
+        **more,
+    }
+
+
+def _plant(need: int, depth: int) -> dict[str, float]:
+    """A workload that keeps the trainer busy from depth `need` on: below it the trainer idles in
+    proportion to the missing depth; at it and above, generation waits for admission more the
+    deeper it goes."""
+    if depth < need:
+        return _record(0.5 * (need - depth) / need, 0.0)
+    return _record(0.0, min(0.9, 0.15 * (depth - need + 1)))
+
+
+records = st.fixed_dictionaries(
+    {
+        "time/step_s": st.floats(0.0, 100.0),
+        "async/trainer_idle_ratio": st.floats(0.0, 1.0),
+        "async/generation_idle_ratio": st.floats(0.0, 1.0),
+        "tokens/wasted": st.floats(0.0, 1e5),
+        "tokens/generated": st.floats(0.0, 1e6),
+        "staleness/mean": st.floats(0.0, 20.0),
+    }
+)
+
+
+@given(
+    k=st.one_of(st.none(), st.integers(0, 12)),
+    sync_every=st.integers(1, 3),
+    updates=st.integers(1, 3),
+    hold=st.integers(1, 4),
+    initial=st.integers(0, 10),
+    waste=st.one_of(st.none(), st.floats(0.0, 0.5)),
+    steps=st.lists(records, max_size=60),
+)
+def test_every_decision_stays_within_what_the_hard_bound_allows(
+    k, sync_every, updates, hold, initial, waste, steps
+) -> None:
+    if k is not None and k < sync_every - 1:
+        k = sync_every - 1
+    config = CoordinatorConfig(
+        pipeline_depth="auto",
+        max_staleness=k,
+        sync_every=sync_every,
+        auto=AutoDepthConfig(hold_steps=hold, initial=initial, max_waste=waste),
+    )
+    coord = SyncCoordinator(config, 2, _no_hook, updates_per_batch=updates)
+    controller = coord.controller
+    assert controller is not None
+    last_change = -hold
+    for i, record in enumerate(steps):
+        change = coord.observe_step(record)
+        depth = coord.pipeline_depth
+        assert 0 <= depth <= controller.ceiling <= 8
+        if k is not None:  # the oldest weights a trained group can come from
+            assert depth * updates + sync_every - 1 <= k
+        if change is not None:
+            assert change.reason in REASONS and change.new == depth != change.old
+            assert i - last_change >= hold  # hysteresis
+            last_change = i
+
+
+async def _no_hook(version: int) -> None:
+    return None
+
+
+@settings(max_examples=60)
+@given(need=st.integers(0, 8), hold=st.integers(1, 4), initial=st.integers(0, 8))
+def test_converges_on_a_stationary_workload(need: int, hold: int, initial: int) -> None:
+    controller = DepthController(AutoDepthConfig(hold_steps=hold, initial=initial), ceiling=8)
+    for _ in range(200):
+        controller.observe(_plant(need, controller.depth))
+    settled = controller.depth
+    moves = len(controller.changes)
+    for _ in range(100):
+        controller.observe(_plant(need, controller.depth))
+    assert controller.depth == settled and len(controller.changes) == moves  # no more moves
+    assert settled >= need  # the trainer is busy
+    assert moves <= 2 * 8 + 2  # no oscillation on the way
+
+
+@settings(max_examples=60)
+@given(before=st.integers(0, 4), after=st.integers(0, 8), hold=st.integers(1, 4))
+def test_reacts_to_a_step_change_in_lengths_within_bounded_steps(
+    before: int, after: int, hold: int
+) -> None:
+    """Lengths grow at once: the depth that keeps the trainer busy goes from `before` to
+    `after`; within hold_steps x (log2(8) + 2) steps the trainer is busy again."""
+    controller = DepthController(AutoDepthConfig(hold_steps=hold), ceiling=8)
+    for _ in range(100):
+        controller.observe(_plant(before, controller.depth))
+    bound = hold * 5
+    for _ in range(bound):
+        if controller.depth >= after:
+            break
+        controller.observe(_plant(after, controller.depth))
+    assert controller.depth >= after, controller.changes
+
+
+def test_budgets_lower_the_depth_and_cap_it() -> None:
+    controller = DepthController(AutoDepthConfig(hold_steps=1, initial=4, max_waste=0.05), 8)
+    controller.observe(_record(0.5))  # the first step is not judged
+    change = controller.observe(_record(0.5, **{"tokens/wasted": 10.0, "tokens/generated": 100.0}))
+    assert change is not None and (change.old, change.new, change.reason) == (4, 3, "waste")
+    assert change.metrics() == {"coordinator/depth_change/waste": -1.0}
+    assert controller.observe(_record(0.5)) is None  # idle, but capped by the budget
+    stale = DepthController(AutoDepthConfig(hold_steps=1, initial=2, max_mean_staleness=1.0), 8)
+    stale.observe(_record(0.0))
+    change = stale.observe(_record(0.0, **{"staleness/mean": 2.0}))
+    assert change is not None and change.reason == "staleness" and stale.depth == 1
+
+
+def test_the_ceiling_is_what_max_staleness_allows() -> None:
+    auto = {"pipeline_depth": "auto"}
+    assert CoordinatorConfig(**auto, max_staleness=None).depth_ceiling(1) == 8
+    assert CoordinatorConfig(**auto, max_staleness=3).depth_ceiling(1) == 3
+    assert CoordinatorConfig(**auto, max_staleness=5, sync_every=2).depth_ceiling(2) == 2
+    assert CoordinatorConfig(pipeline_depth=5, max_staleness=None).depth_ceiling(2) == 5
+    config = workload_config("W1", ["coordinator.pipeline_depth=auto"])
+    assert config.coordinator.pipeline_depth == "auto"
+    with pytest.raises(ConfigError, match="max_staleness"):
+        workload_config(
+            "W1",
+            [
+                "coordinator.pipeline_depth=auto",
+                "coordinator.max_staleness=0",
+                "coordinator.sync_every=2",
+            ],
+        )
+    with pytest.raises(ConfigError):
+        workload_config("W1", ["coordinator.pipeline_depth=deep"])
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(s=heavy_tailed.schedules(), hold=st.integers(1, 2))
+def test_auto_keeps_the_hard_bound_through_training(tmp_path, s: dict, hold: int) -> None:
+    coordinator = {"pipeline_depth": "auto", "auto": {"hold_steps": hold, "max_depth": 3}}
+    trainer, backend = heavy_tailed.trainer(tmp_path, s, {}, coordinator)
+
+    def check(name: str, c: Counts) -> None:
+        coord = trainer.coordinator
+        assert coord.pipeline_depth <= min(3, s["k"])
+        limit = (coord.version + coord.pipeline_depth + 1) * s["gps"]
+        assert c.consumed + c.in_flight + c.buffered <= limit or name != "dispatched"
+
+    trainer.coordinator.on_event = check
+    records = run(trainer.fit(), virtual=True)
+    assert len(records) == 6
+    assert backend.staleness and max(backend.staleness) <= s["k"]
+    assert all("coordinator/pipeline_depth" in r for r in records)
+    controller = trainer.coordinator.controller
+    assert controller is not None
+    recorded = [k for r in records for k in r if k.startswith("coordinator/depth_change/")]
+    assert len(recorded) == len([c for step, c in controller.changes if step < len(records)])
+
+
+def test_auto_on_a_drifting_sim_workload_keeps_the_bound() -> None:
+    out = run_workload(
+        "D1",
+        [
+            "mode=async",
+            "coordinator.pipeline_depth=auto",
+            "coordinator.max_staleness=8",
+            "train.total_steps=12",
+            "coordinator.auto.hold_steps=1",
+        ],
+    )
+    assert out["steps"] == 12 and out["violations"] == 0 and out["staleness_max"] <= 8
+
+
+def test_fixed_depths_record_no_controller_metrics(tmp_path) -> None:
+    s = {"d": 1, "k": 2, "gps": 2, "group_size": 2, "alpha": 2.0, "scale": 0.1}
+    trainer, _ = heavy_tailed.trainer(tmp_path, {**s, "train_s": 0.5, "seed": 1}, {}, {})
+    records = run(trainer.fit(), virtual=True)
+    assert trainer.coordinator.controller is None
+    assert not any(key.startswith("coordinator/") for r in records for key in r)
+
+
+def test_simulate_takes_auto_from_the_command_line(capsys) -> None:
+    from rllm_async.cli import main
+
+    small = ["train.groups_per_step=8", "backend.slots=64", "rollout.max_concurrency=64"]
+    argv = ["simulate", "--workload", "D2", "--pipeline-depth", "auto", "--max-staleness", "4"]
+    assert main([*argv, "--steps", "4", "--json", "--set", *small]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["pipeline_depth"], out["max_staleness"], out["violations"]) == ("auto", 4, 0)
