@@ -6,6 +6,8 @@ and bound, the times, the best fixed depth per seed, and `auto_vs_best` = best f
 time (above 1: auto is faster), per seed and its mean.
 
 Usage: python benchmarks/auto_depth.py [--steps 60] [--seeds 0 1 2] [--bounds none 8] [--jobs 2]
+[--reuse OLD.json]: the fixed depths' times from an earlier output of the same cells (only `auto`
+runs again; a fixed depth's run does not depend on the controller).
 """
 
 from __future__ import annotations
@@ -38,14 +40,25 @@ def main() -> None:
     parser.add_argument("--bounds", nargs="+", default=["none", "8"])
     parser.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3", "W4", "D1", "D2"])
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--reuse", default=None, help="an earlier output: its fixed-depth times")
     args = parser.parse_args()
     settings = [*args.depths, "auto"]
+    times: dict[tuple[str, str, int, str, int], float] = {}
+    if args.reuse:
+        with open(args.reuse) as f:
+            old = json.load(f)
+        assert old["steps"] == args.steps
+        for w, b in product(args.workloads, args.bounds):
+            for p in old[f"{w}_K{b}"]["seeds"]:
+                for d in args.depths:
+                    times[(w, b, p["seed"], d, args.steps)] = p["time_s"][d]
     cells = [
         (w, b, s, d, args.steps)
         for w, b, s, d in product(args.workloads, args.bounds, args.seeds, settings)
+        if (w, b, s, d, args.steps) not in times
     ]
     with ProcessPoolExecutor(args.jobs) as pool:
-        times = dict(zip(cells, pool.map(_one, cells), strict=True))
+        times.update(zip(cells, pool.map(_one, cells), strict=True))
     out: dict[str, object] = {"steps": args.steps, "seeds": args.seeds}
     for w, b in product(args.workloads, args.bounds):
         per_seed = []

@@ -114,6 +114,7 @@ class AutoDepthConfig(_Section):
     target_idle: float = Field(default=0.05, ge=0.0, le=1.0)  # trainer idle ratio to stay under
     generation_idle: float = Field(default=0.3, ge=0.0, le=1.0)  # lower d when above (if busy)
     max_waste: float | None = Field(default=None, ge=0.0, le=1.0)  # wasted / generated tokens
+    max_dropped: float | None = Field(default=0.05, ge=0.0, le=1.0)  # stale drops / groups taken
     max_mean_staleness: float | None = Field(default=None, ge=0.0)  # of the consumed groups
 
 

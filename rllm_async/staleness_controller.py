@@ -2,12 +2,13 @@
 what each step's record measured.
 
 It keeps the trainer busy (its idle ratio waiting for groups under `auto.target_idle`) with the
-least depth that does so, within the user's budgets (`auto.max_waste`, `auto.max_mean_staleness`)
+least depth that does so, within the budgets (`auto.max_waste`, `auto.max_dropped`,
+`auto.max_mean_staleness`)
 and never above the ceiling that the hard bound `max_staleness` allows (`depth_ceiling`). It moves
 at most once every `auto.hold_steps` steps, judging the last `hold_steps` steps together:
 
-1. a budget exceeded: one lower, and no higher than that from then on (reason `waste` or
-   `staleness`);
+1. a budget exceeded: one lower, and no higher than that from then on (reason `waste`,
+   `dropped` or `staleness`);
 2. the trainer idle above `target_idle`: up, doubling while it idles over four times the target,
    else by one (`trainer_idle`);
 3. the trainer busy (idle under half the target) while generation idles above
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from rllm_async.config import AutoDepthConfig
 
-REASONS = ("trainer_idle", "generation_idle", "waste", "staleness")
+REASONS = ("trainer_idle", "generation_idle", "waste", "dropped", "staleness")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +61,14 @@ class DepthController:
     def _reset_window(self) -> None:
         self._time = self._trainer_idle = self._generation_idle = 0.0
         self._wasted = self._generated = 0.0
+        self._dropped = self._taken = 0.0
         self._staleness_sum = 0.0
         self._staleness_n = 0
 
     def observe(self, record: Mapping[str, float]) -> DepthChange | None:
         """Take one step's record (`async/trainer_idle_ratio`, `async/generation_idle_ratio`,
-        `time/step_s`, `tokens/wasted`, `tokens/generated`, `staleness/mean`); the change it
+        `time/step_s`, `tokens/wasted`, `tokens/generated`, `groups/dropped_stale`, `groups/consumed`,
+        `staleness/mean`); the change it
         makes after it, if any. The first step (the pipeline filling) is not judged."""
         self._steps += 1
         if self._steps == 1:
@@ -76,6 +79,9 @@ class DepthController:
         self._generation_idle += float(record.get("async/generation_idle_ratio", 0.0)) * step_s
         self._wasted += float(record.get("tokens/wasted", 0.0))
         self._generated += float(record.get("tokens/generated", 0.0))
+        dropped = float(record.get("groups/dropped_stale", 0.0))
+        self._dropped += dropped
+        self._taken += dropped + float(record.get("groups/consumed", 0.0))
         if "staleness/mean" in record:
             self._staleness_sum += float(record["staleness/mean"])
             self._staleness_n += 1
@@ -98,8 +104,11 @@ class DepthController:
         waste = self._wasted / self._generated if self._generated else 0.0
         staleness = self._staleness_sum / self._staleness_n if self._staleness_n else 0.0
         over = None
+        dropped = self._dropped / self._taken if self._taken else 0.0
         if c.max_waste is not None and waste > c.max_waste:
             over = "waste"
+        elif c.max_dropped is not None and dropped > c.max_dropped:
+            over = "dropped"
         elif c.max_mean_staleness is not None and staleness > c.max_mean_staleness:
             over = "staleness"
         if over is not None:

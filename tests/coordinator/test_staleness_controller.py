@@ -43,6 +43,8 @@ records = st.fixed_dictionaries(
         "async/generation_idle_ratio": st.floats(0.0, 1.0),
         "tokens/wasted": st.floats(0.0, 1e5),
         "tokens/generated": st.floats(0.0, 1e6),
+        "groups/dropped_stale": st.floats(0.0, 10.0),
+        "groups/consumed": st.floats(0.0, 10.0),
         "staleness/mean": st.floats(0.0, 20.0),
     }
 )
@@ -128,6 +130,11 @@ def test_budgets_lower_the_depth_and_cap_it() -> None:
     assert change is not None and (change.old, change.new, change.reason) == (4, 3, "waste")
     assert change.metrics() == {"coordinator/depth_change/waste": -1.0}
     assert controller.observe(_record(0.5)) is None  # idle, but capped by the budget
+    drops = DepthController(AutoDepthConfig(hold_steps=1, initial=3), 8)  # max_dropped 0.05
+    drops.observe(_record(0.5))
+    change = drops.observe(_record(0.5, **{"groups/dropped_stale": 1.0, "groups/consumed": 9.0}))
+    assert change is not None and (change.new, change.reason) == (2, "dropped")
+    assert drops.observe(_record(0.5, **{"groups/consumed": 10.0})) is None  # capped
     stale = DepthController(AutoDepthConfig(hold_steps=1, initial=2, max_mean_staleness=1.0), 8)
     stale.observe(_record(0.0))
     change = stale.observe(_record(0.0, **{"staleness/mean": 2.0}))
