@@ -1,13 +1,18 @@
 """`coordinator.pipeline_depth: auto` against the best fixed depth, on the sim's virtual clock.
 
-For each workload (W1-W4 stationary, D1-D2 drifting), each hard bound (none, and K) and each
-seed: the simulated time of every fixed depth and of `auto`. Prints one JSON line: per workload
-and bound, the times, the best fixed depth per seed, and `auto_vs_best` = best fixed time / auto
-time (above 1: auto is faster), per seed and its mean.
+For each workload (W1-W4 stationary, D1-D2 drifting), each hard bound (none, and each K) and each
+seed: the simulated time and steady waste (wasted / generated tokens, the run's last step left
+out: it holds what the run's end cancelled) of every fixed depth the bound allows and of `auto`.
+Prints one JSON line: per workload and bound, per seed the times, wastes, the best fixed depth and
+`auto_vs_best` = best fixed time / auto time (above 1: auto is faster); and their mean and minimum.
 
-Usage: python benchmarks/auto_depth.py [--steps 60] [--seeds 0 1 2] [--bounds none 8] [--jobs 2]
-[--reuse OLD.json]: the fixed depths' times from an earlier output of the same cells (only `auto`
+Usage: python benchmarks/auto_depth.py [--steps 60] [--seeds 0 1 2] [--bounds none 8 4] [--jobs 2]
+[--reuse OLD.json]: the fixed depths' figures from an earlier output of the same cells (only `auto`
 runs again; a fixed depth's run does not depend on the controller).
+
+`--phases`: also, for each drifting workload, its start and its end as stationary workloads (seed
+0): each fixed depth's time on both, and `switch_bound` = the best fixed depth's time over the two
+/ the sum of each one's best time: the most that choosing the depth per phase could gain.
 """
 
 from __future__ import annotations
@@ -19,17 +24,38 @@ from itertools import product
 
 from rllm_async.plan.simulate import run_workload
 
+Cell = tuple[str, str, int, str, int]  # workload, bound, seed, depth, steps
 
-def _one(cell: tuple[str, str, int, str, int]) -> float:
+# A drifting workload frozen at its start (no drift) and at its end (the drifted values from the
+# first version on).
+PHASES = {
+    "start": ("workflow.args.drift_steps=0", "backend.train_drift_steps=0"),
+    "end": (
+        "workflow.args.drift_shape=step",
+        "workflow.args.drift_steps=1",
+        "backend.train_drift_shape=step",
+        "backend.train_drift_steps=1",
+    ),
+}
+
+
+def _one(cell: Cell, more: tuple[str, ...] = ()) -> tuple[float, float]:
     workload, bound, seed, depth, steps = cell
     overrides = [
+        *more,
         "mode=async",
         f"coordinator.pipeline_depth={depth}",
         f"coordinator.max_staleness={'null' if bound == 'none' else bound}",
         f"train.total_steps={steps}",
         f"seed={seed}",
     ]
-    return float(run_workload(workload, overrides)["time_s"])
+    figures = run_workload(workload, overrides)
+    return float(figures["time_s"]), float(figures["waste_steady"])
+
+
+def _depths(depths: list[str], bound: str) -> list[str]:
+    """The fixed depths a hard bound allows (d <= K)."""
+    return [d for d in depths if bound == "none" or int(d) <= int(bound)]
 
 
 def main() -> None:
@@ -37,41 +63,47 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--depths", nargs="+", default=["1", "2", "4", "8"])
-    parser.add_argument("--bounds", nargs="+", default=["none", "8"])
+    parser.add_argument("--bounds", nargs="+", default=["none", "8", "4"])
     parser.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3", "W4", "D1", "D2"])
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--reuse", default=None, help="an earlier output: its fixed-depth times")
+    parser.add_argument("--reuse", default=None, help="an earlier output: its fixed-depth figures")
+    parser.add_argument("--phases", action="store_true", help="drifting workloads' start and end")
     args = parser.parse_args()
-    settings = [*args.depths, "auto"]
-    times: dict[tuple[str, str, int, str, int], float] = {}
+    results: dict[Cell, tuple[float, float]] = {}
     if args.reuse:
         with open(args.reuse) as f:
             old = json.load(f)
-        assert old["steps"] == args.steps
+        if old["steps"] != args.steps:
+            parser.error(f"--reuse {args.reuse} ran {old['steps']} steps, not {args.steps}")
         for w, b in product(args.workloads, args.bounds):
-            for p in old[f"{w}_K{b}"]["seeds"]:
-                for d in args.depths:
-                    times[(w, b, p["seed"], d, args.steps)] = p["time_s"][d]
+            for p in old.get(f"{w}_K{b}", {}).get("seeds", []):
+                for d in _depths(args.depths, b):
+                    if d in p["time_s"]:
+                        results[(w, b, p["seed"], d, args.steps)] = (p["time_s"][d], p["waste"][d])
     cells = [
         (w, b, s, d, args.steps)
-        for w, b, s, d in product(args.workloads, args.bounds, args.seeds, settings)
-        if (w, b, s, d, args.steps) not in times
+        for w, b, s in product(args.workloads, args.bounds, args.seeds)
+        for d in [*_depths(args.depths, b), "auto"]
+        if (w, b, s, d, args.steps) not in results
     ]
     with ProcessPoolExecutor(args.jobs) as pool:
-        times.update(zip(cells, pool.map(_one, cells), strict=True))
+        results.update(zip(cells, pool.map(_one, cells), strict=True))
+        phases = _phases(args, pool) if args.phases else None
     out: dict[str, object] = {"steps": args.steps, "seeds": args.seeds}
     for w, b in product(args.workloads, args.bounds):
+        settings = [*_depths(args.depths, b), "auto"]
         per_seed = []
         for s in args.seeds:
-            fixed = {d: times[(w, b, s, d, args.steps)] for d in args.depths}
+            figures = {d: results[(w, b, s, d, args.steps)] for d in settings}
+            fixed = {d: t for d, (t, _) in figures.items() if d != "auto"}
             best = min(fixed, key=fixed.__getitem__)
-            auto = times[(w, b, s, "auto", args.steps)]
             per_seed.append(
                 {
                     "seed": s,
-                    "time_s": {d: round(t, 1) for d, t in {**fixed, "auto": auto}.items()},
+                    "time_s": {d: round(t, 1) for d, (t, _) in figures.items()},
+                    "waste": {d: round(x, 4) for d, (_, x) in figures.items()},
                     "best_fixed": int(best),
-                    "auto_vs_best": round(fixed[best] / auto, 4),
+                    "auto_vs_best": round(fixed[best] / figures["auto"][0], 4),
                 }
             )
         ratios = [p["auto_vs_best"] for p in per_seed]
@@ -80,7 +112,31 @@ def main() -> None:
             "auto_vs_best_mean": round(sum(ratios) / len(ratios), 4),
             "auto_vs_best_min": min(ratios),
         }
+    if phases is not None:
+        out["phases"] = phases
     print(json.dumps(out))
+
+
+def _phases(args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict[str, object]:
+    """Each drifting workload's start and end, stationary, at each fixed depth (seed 0)."""
+    drifting = [w for w in args.workloads if w.startswith("D")]
+    runs = [
+        ((w, b, 0, d, args.steps), PHASES[phase])
+        for w, b, phase in product(drifting, args.bounds, PHASES)
+        for d in _depths(args.depths, b)
+    ]
+    times = iter([t for t, _ in pool.map(_one, *zip(*runs, strict=True))])
+    out: dict[str, object] = {}
+    for w, b in product(drifting, args.bounds):
+        depths = _depths(args.depths, b)
+        t = {phase: {d: next(times) for d in depths} for phase in PHASES}
+        both = min(t["start"][d] + t["end"][d] for d in depths)
+        each = min(t["start"].values()) + min(t["end"].values())
+        out[f"{w}_K{b}"] = {
+            **{phase: {d: round(x, 1) for d, x in t[phase].items()} for phase in PHASES},
+            "switch_bound": round(both / each, 4),
+        }
+    return out
 
 
 if __name__ == "__main__":

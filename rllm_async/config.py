@@ -109,13 +109,15 @@ class AutoDepthConfig(_Section):
     """`coordinator.auto`: the controller of `pipeline_depth: auto` (staleness_controller.py)."""
 
     max_depth: int = Field(default=8, ge=0)  # the ceiling, also when max_staleness allows more
-    initial: int = Field(default=1, ge=0)
+    initial: int = Field(default=2, ge=0)
     hold_steps: int = Field(default=2, ge=1)  # at most one change every hold_steps steps
     target_idle: float = Field(default=0.05, ge=0.0, le=1.0)  # trainer idle ratio to stay under
     generation_idle: float = Field(default=0.3, ge=0.0, le=1.0)  # lower d when above (if busy)
     max_waste: float | None = Field(default=None, ge=0.0, le=1.0)  # wasted / generated tokens
-    max_dropped: float | None = Field(default=0.05, ge=0.0, le=1.0)  # stale drops / groups taken
+    max_dropped: float | None = Field(default=None, ge=0.0, le=1.0)  # stale drops / groups taken
     max_mean_staleness: float | None = Field(default=None, ge=0.0)  # of the consumed groups
+    min_gain: float = Field(default=0.02, ge=0.0)  # a move up must speed steps this much, or undo
+    retry_steps: int = Field(default=20, ge=0)  # limits from failed moves and budgets lapse after
 
 
 class CoordinatorConfig(_Section):

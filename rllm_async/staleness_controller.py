@@ -1,30 +1,44 @@
 """The controller of `coordinator.pipeline_depth: auto`: the pipeline depth, step by step, from
 what each step's record measured.
 
-It keeps the trainer busy (its idle ratio waiting for groups under `auto.target_idle`) with the
-least depth that does so, within the budgets (`auto.max_waste`, `auto.max_dropped`,
-`auto.max_mean_staleness`)
-and never above the ceiling that the hard bound `max_staleness` allows (`depth_ceiling`). It moves
-at most once every `auto.hold_steps` steps, judging the last `hold_steps` steps together:
+It keeps the trainer busy (its idle ratio waiting for groups under `auto.target_idle`), within
+the budgets (`auto.max_waste`, `auto.max_dropped`, `auto.max_mean_staleness`) and never above the
+ceiling that the hard bound `max_staleness` allows (`depth_ceiling`). Once every
+`auto.hold_steps` steps it judges the steps since its last judgment, and moves at most once:
 
-1. a budget exceeded: one lower, and no higher than that from then on (reason `waste`,
-   `dropped` or `staleness`);
-2. the trainer idle above `target_idle`: up, doubling while it idles over four times the target,
+1. a budget exceeded: back to the depth the last move up came from (else one lower), and no
+   higher for `auto.retry_steps` steps (reason `waste`, `dropped` or `staleness`);
+2. the last move undone where it made things worse (`worse`). Each depth is measured over its
+   last `STAY_STEPS` judged steps: goodput (generated tokens not wasted, per second) and the
+   trainer's idle ratio. A move up is undone while, within `retry_steps` of it, the new depth
+   gives less goodput by `auto.min_gain` with the trainer no busier (groups over the bound are
+   dropped: the waste shows up steps later); it is not tried again for `retry_steps` steps. A
+   move down is undone where the depth it left did better on either measure, and the controller
+   stays at least that deep for `retry_steps` steps. Where the two measures disagree it keeps
+   the deeper depth, which also rides out hung rollouts better;
+3. the trainer idle above `target_idle`: up, doubling while it idles over four times the target,
    else by one (`trainer_idle`);
-3. the trainer busy (idle under half the target) while generation idles above
+4. the trainer busy (idle under half the target) while generation idles above
    `auto.generation_idle` (generation waits for admission): one lower, for less staleness at no
-   cost in throughput (`generation_idle`). Where that left the trainer idle and the depth went
-   back up, it never goes below that depth again.
+   cost in throughput (`generation_idle`).
+
+After each move it lets steps pass before judging again: as many as the consumed groups'
+staleness (the groups admitted before the move still arrive, those admitted after it take as
+long), and after a move down, the old depth plus one (groups admitted deeper may still be dropped).
+Limits and judgments lapse after `retry_steps`, so that a drifting workload is explored again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from rllm_async.config import AutoDepthConfig
 
-REASONS = ("trainer_idle", "generation_idle", "waste", "dropped", "staleness")
+STAY_STEPS = 8  # the steps at a depth that say what it gives
+REASONS = ("trainer_idle", "generation_idle", "worse", "waste", "dropped", "staleness")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +54,80 @@ class DepthChange:
         return {f"coordinator/depth_change/{self.reason}": float(self.new - self.old)}
 
 
+@dataclass(slots=True)
+class _Totals:
+    """What some steps measured, summed; the ratios of a judgment come from it."""
+
+    seconds: float = 0.0
+    trainer_idle_s: float = 0.0
+    generation_idle_s: float = 0.0
+    generated: float = 0.0  # tokens
+    wasted: float = 0.0  # tokens
+    dropped: float = 0.0  # groups over the bound
+    taken: float = 0.0  # groups consumed or dropped
+    staleness: float = 0.0  # sum of the steps' mean staleness
+    staleness_steps: int = 0
+
+    def add(self, r: Mapping[str, float]) -> None:
+        step_s = float(r.get("time/step_s", 0.0))
+        self.seconds += step_s
+        self.trainer_idle_s += float(r.get("async/trainer_idle_ratio", 0.0)) * step_s
+        self.generation_idle_s += float(r.get("async/generation_idle_ratio", 0.0)) * step_s
+        self.generated += float(r.get("tokens/generated", 0.0))
+        self.wasted += float(r.get("tokens/wasted", 0.0))
+        dropped = float(r.get("groups/dropped_stale", 0.0))
+        self.dropped += dropped
+        self.taken += dropped + float(r.get("groups/consumed", 0.0))
+        if "staleness/mean" in r:
+            self.staleness += float(r["staleness/mean"])
+            self.staleness_steps += 1
+
+    @classmethod
+    def of(cls, records: Iterable[Mapping[str, float]]) -> _Totals:
+        totals = cls()
+        for r in records:
+            totals.add(r)
+        return totals
+
+    @property
+    def idle(self) -> float:
+        return self.trainer_idle_s / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def generation_idle(self) -> float:
+        return self.generation_idle_s / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def goodput(self) -> float:
+        """Generated tokens not wasted, per second."""
+        return (self.generated - self.wasted) / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Mark:
+    """A depth the controller left, and what it gave there."""
+
+    depth: int
+    goodput: float
+    idle: float
+    step: int  # when it was left
+
+    @classmethod
+    def of(cls, depth: int, steps: _Totals, step: int) -> _Mark:
+        return cls(depth, steps.goodput, steps.idle, step)
+
+
+def _better(a: _Mark, b: _Mark, margin: float) -> bool:
+    """Whether `a` did better than `b` by `margin`: more goodput, or the trainer busier."""
+    busier = 1.0 - a.idle > (1.0 - b.idle) * (1.0 + margin)
+    return busier or a.goodput > b.goodput * (1.0 + margin)
+
+
+def _worse(a: _Mark, b: _Mark, margin: float) -> bool:
+    """Whether `a` did worse than `b`: less goodput by `margin`, and the trainer no busier."""
+    return a.goodput * (1.0 + margin) < b.goodput and a.idle >= b.idle
+
+
 class DepthController:
     """The pipeline depth of `pipeline_depth: auto`, in [0, `ceiling`]; `observe` each step's
     record, and it returns the change it made, if any."""
@@ -50,80 +138,114 @@ class DepthController:
         self.config = config
         self.ceiling = ceiling
         self.depth = min(config.initial, ceiling)
-        self.floor = 0  # raised where a move down left the trainer idle
-        self.cap = ceiling  # lowered where a budget was exceeded
         self.changes: list[tuple[int, DepthChange]] = []  # (step, change)
         self._steps = 0
-        self._since = 0  # steps observed since the last judgment (or the start)
-        self._last_reason: str | None = None
-        self._reset_window()
+        self._window = _Totals()  # the steps since the last judgment
+        self._since = 0
+        # The last steps judged at this depth since the move to it: what it gives now.
+        self._stay: deque[Mapping[str, float]] = deque(maxlen=STAY_STEPS)
+        self._wait = 0  # steps to let pass before judging again
+        self._lag = 0.0  # the consumed groups' staleness, recent steps weighing most
+        self._cap, self._floor = ceiling, 0  # limits from failed trials and budgets...
+        self._cap_until = self._floor_until = 0  # ...until these steps
+        self._below: list[_Mark] = []  # the depths moved up from, each with what called for it
+        self._above: _Mark | None = None  # the depth a judged move down came from
 
-    def _reset_window(self) -> None:
-        self._time = self._trainer_idle = self._generation_idle = 0.0
-        self._wasted = self._generated = 0.0
-        self._dropped = self._taken = 0.0
-        self._staleness_sum = 0.0
-        self._staleness_n = 0
+    @property
+    def cap(self) -> int:
+        """The highest depth the controller may move up to now."""
+        return self._cap if self._steps < self._cap_until else self.ceiling
+
+    @property
+    def floor(self) -> int:
+        """The lowest depth the controller may move down to now, but for a budget."""
+        return self._floor if self._steps < self._floor_until else 0
 
     def observe(self, record: Mapping[str, float]) -> DepthChange | None:
-        """Take one step's record (`async/trainer_idle_ratio`, `async/generation_idle_ratio`,
-        `time/step_s`, `tokens/wasted`, `tokens/generated`, `groups/dropped_stale`, `groups/consumed`,
-        `staleness/mean`); the change it
-        makes after it, if any. The first step (the pipeline filling) is not judged."""
+        """Take one step's record (`time/step_s`, `async/trainer_idle_ratio`,
+        `async/generation_idle_ratio`, `tokens/generated`, `tokens/wasted`,
+        `groups/dropped_stale`, `groups/consumed`, `staleness/mean`); the change it makes after
+        it, if any. The first step (the pipeline filling) is not judged."""
         self._steps += 1
         if self._steps == 1:
             return None
-        step_s = float(record.get("time/step_s", 0.0))
-        self._time += step_s
-        self._trainer_idle += float(record.get("async/trainer_idle_ratio", 0.0)) * step_s
-        self._generation_idle += float(record.get("async/generation_idle_ratio", 0.0)) * step_s
-        self._wasted += float(record.get("tokens/wasted", 0.0))
-        self._generated += float(record.get("tokens/generated", 0.0))
-        dropped = float(record.get("groups/dropped_stale", 0.0))
-        self._dropped += dropped
-        self._taken += dropped + float(record.get("groups/consumed", 0.0))
         if "staleness/mean" in record:
-            self._staleness_sum += float(record["staleness/mean"])
-            self._staleness_n += 1
+            self._lag += 0.5 * (float(record["staleness/mean"]) - self._lag)
+        if self._wait:
+            self._wait -= 1
+            return None
+        self._window.add(record)
+        self._stay.append(record)
         self._since += 1
         if self._since < self.config.hold_steps:
             return None
-        change = self._decide()
-        self._since = 0  # each judgment takes the steps since the one before
-        self._reset_window()
+        change = self._decide(self._window)
         if change is not None:
-            self.depth = change.new
-            self._last_reason = change.reason
-            self.changes.append((self._steps, change))
+            self._move(change)
+        self._window, self._since = _Totals(), 0
         return change
 
-    def _decide(self) -> DepthChange | None:
+    def _move(self, change: DepthChange) -> None:
+        left = _Mark.of(change.old, _Totals.of(self._stay), self._steps)
+        if change.new > change.old:
+            self._below.append(left)
+            self._above = None
+        else:
+            self._below = [m for m in self._below if m.depth < change.new]
+            judged = change.reason in ("worse", "generation_idle")
+            self._above = left if judged else None
+        self.depth = change.new
+        self.changes.append((self._steps, change))
+        self._stay.clear()
+        # Groups admitted before the move arrive for about as many steps as the consumed
+        # groups' staleness, and those admitted after it take as long; after a move down,
+        # those admitted at the deeper depth may come (or be dropped) up to that depth later.
+        drain = change.old + 1 if change.new < change.old else 0
+        self._wait = max(1, math.ceil(self._lag), drain)
+
+    def _decide(self, w: _Totals) -> DepthChange | None:
         c, d = self.config, self.depth
-        time = max(self._time, 1e-12)
-        idle, gen_idle = self._trainer_idle / time, self._generation_idle / time
-        waste = self._wasted / self._generated if self._generated else 0.0
-        staleness = self._staleness_sum / self._staleness_n if self._staleness_n else 0.0
-        over = None
-        dropped = self._dropped / self._taken if self._taken else 0.0
-        if c.max_waste is not None and waste > c.max_waste:
-            over = "waste"
-        elif c.max_dropped is not None and dropped > c.max_dropped:
-            over = "dropped"
-        elif c.max_mean_staleness is not None and staleness > c.max_mean_staleness:
-            over = "staleness"
-        if over is not None:
-            if d == 0:
+        here = _Mark.of(d, _Totals.of(self._stay), self._steps)
+        # A move is judged against the depth it left for `retry_steps`; then it stands.
+        recent = self._steps - c.retry_steps
+        over = self._over_budget(w)
+        if over is not None:  # back where the last move up came from, or one lower
+            new = self._below[-1].depth if self._below else d - 1
+            if new < 0:
                 return None
-            self.cap = d - 1
-            self.floor = min(self.floor, self.cap)
-            return DepthChange(d, d - 1, over)
-        if idle > c.target_idle:
-            new = min(self.ceiling, self.cap, d + max(1, d) if idle > 4 * c.target_idle else d + 1)
-            if new <= d:
-                return None
-            if self._last_reason == "generation_idle":
-                self.floor = max(self.floor, new)  # the move down cost throughput: not again
-            return DepthChange(d, new, "trainer_idle")
-        if idle < c.target_idle / 2 and gen_idle > c.generation_idle and d > self.floor:
+            self._cap, self._cap_until = new, self._steps + c.retry_steps
+            return DepthChange(d, new, over)
+        above = self._above
+        if above is not None and above.step >= recent and _better(above, here, c.min_gain):
+            # The move down made things worse: back up, and not below that for a while.
+            self._cap_until = 0
+            self._floor, self._floor_until = above.depth, self._steps + c.retry_steps
+            return DepthChange(d, above.depth, "worse")
+        below = self._below[-1] if self._below else None
+        if (
+            below is not None
+            and below.step >= recent
+            and below.depth >= self.floor
+            and _worse(here, below, c.min_gain)
+        ):
+            # The move up made things worse (its waste shows up late): back, not up again soon.
+            self._cap, self._cap_until = below.depth, self._steps + c.retry_steps
+            return DepthChange(d, below.depth, "worse")
+        if w.idle > c.target_idle:
+            new = min(self.cap, d + max(1, d) if w.idle > 4 * c.target_idle else d + 1)
+            return DepthChange(d, new, "trainer_idle") if new > d else None
+        if w.idle < c.target_idle / 2 and w.generation_idle > c.generation_idle and d > self.floor:
             return DepthChange(d, d - 1, "generation_idle")
+        return None
+
+    def _over_budget(self, w: _Totals) -> str | None:
+        """The first budget the judged steps exceed (`waste`, `dropped`, `staleness`), if any."""
+        c = self.config
+        if c.max_waste is not None and w.generated and w.wasted / w.generated > c.max_waste:
+            return "waste"
+        if c.max_dropped is not None and w.taken and w.dropped / w.taken > c.max_dropped:
+            return "dropped"
+        staleness = w.staleness / w.staleness_steps if w.staleness_steps else 0.0
+        if c.max_mean_staleness is not None and staleness > c.max_mean_staleness:
+            return "staleness"
         return None

@@ -4,6 +4,7 @@ and the trainer and config around it."""
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +14,7 @@ from rllm_async.backends.sim import workload_config
 from rllm_async.config import AutoDepthConfig, ConfigError, CoordinatorConfig
 from rllm_async.coordinator import Counts, SyncCoordinator
 from rllm_async.plan.simulate import run_workload
-from rllm_async.staleness_controller import REASONS, DepthController
+from rllm_async.staleness_controller import REASONS, DepthChange, DepthController
 from rllm_async.vclock import run
 from tests import heavy_tailed
 
@@ -29,11 +30,12 @@ def _record(idle: float, gen_idle: float = 0.0, **more: float) -> dict[str, floa
 
 def _plant(need: int, depth: int) -> dict[str, float]:
     """A workload that keeps the trainer busy from depth `need` on: below it the trainer idles in
-    proportion to the missing depth; at it and above, generation waits for admission more the
-    deeper it goes."""
+    proportion to the missing depth and generation makes that much less; at it and above,
+    goodput stays the same and generation waits for admission more the deeper it goes."""
+    generated = 1000.0 * min(depth, need) / max(need, 1)
     if depth < need:
-        return _record(0.5 * (need - depth) / need, 0.0)
-    return _record(0.0, min(0.9, 0.15 * (depth - need + 1)))
+        return _record(0.5 * (need - depth) / need, 0.0, **{"tokens/generated": generated})
+    return _record(0.0, min(0.9, 0.15 * (depth - need + 1)), **{"tokens/generated": generated})
 
 
 records = st.fixed_dictionaries(
@@ -111,11 +113,14 @@ def test_reacts_to_a_step_change_in_lengths_within_bounded_steps(
     before: int, after: int, hold: int
 ) -> None:
     """Lengths grow at once: the depth that keeps the trainer busy goes from `before` to
-    `after`; within hold_steps x (log2(8) + 2) steps the trainer is busy again."""
-    controller = DepthController(AutoDepthConfig(hold_steps=hold), ceiling=8)
+    `after`; the trainer is busy again within a bounded number of steps: each move waits a step
+    for the pipeline and judges hold_steps, and a move judged on steps from both sides of the
+    change may be undone once and retried after retry_steps."""
+    config = AutoDepthConfig(hold_steps=hold, retry_steps=10)
+    controller = DepthController(config, ceiling=8)
     for _ in range(100):
         controller.observe(_plant(before, controller.depth))
-    bound = hold * 5
+    bound = config.retry_steps + (hold + 1) * 6
     for _ in range(bound):
         if controller.depth >= after:
             break
@@ -123,22 +128,74 @@ def test_reacts_to_a_step_change_in_lengths_within_bounded_steps(
     assert controller.depth >= after, controller.changes
 
 
+def _after_the_wait(controller: DepthController, record: dict[str, float]) -> DepthChange | None:
+    """Observe `record` until the controller judges again after a move; what it did then."""
+    for _ in range(20):
+        steps = len(controller.changes)
+        change = controller.observe(record)
+        if change is not None or len(controller.changes) > steps:
+            return change
+        if controller._wait == 0 and controller._since == 0:  # judged, and left the depth
+            return None
+    raise AssertionError("no judgment in 20 steps")
+
+
 def test_budgets_lower_the_depth_and_cap_it() -> None:
-    controller = DepthController(AutoDepthConfig(hold_steps=1, initial=4, max_waste=0.05), 8)
+    config = AutoDepthConfig(hold_steps=1, initial=4, max_waste=0.05, retry_steps=10)
+    controller = DepthController(config, 8)
     controller.observe(_record(0.5))  # the first step is not judged
     change = controller.observe(_record(0.5, **{"tokens/wasted": 10.0, "tokens/generated": 100.0}))
     assert change is not None and (change.old, change.new, change.reason) == (4, 3, "waste")
     assert change.metrics() == {"coordinator/depth_change/waste": -1.0}
-    assert controller.observe(_record(0.5)) is None  # idle, but capped by the budget
-    drops = DepthController(AutoDepthConfig(hold_steps=1, initial=3), 8)  # max_dropped 0.05
+    assert _after_the_wait(controller, _record(0.5)) is None  # idle, but capped by the budget
+    assert controller.depth == 3 and controller.cap == 3
+    for _ in range(10):
+        controller.observe(_record(0.0))
+    assert controller.cap == 8  # the cap lapses after retry_steps
+    drops = DepthController(AutoDepthConfig(hold_steps=1, initial=3, max_dropped=0.05), 8)
     drops.observe(_record(0.5))
     change = drops.observe(_record(0.5, **{"groups/dropped_stale": 1.0, "groups/consumed": 9.0}))
     assert change is not None and (change.new, change.reason) == (2, "dropped")
-    assert drops.observe(_record(0.5, **{"groups/consumed": 10.0})) is None  # capped
+    assert _after_the_wait(drops, _record(0.5, **{"groups/consumed": 10.0})) is None  # capped
     stale = DepthController(AutoDepthConfig(hold_steps=1, initial=2, max_mean_staleness=1.0), 8)
     stale.observe(_record(0.0))
     change = stale.observe(_record(0.0, **{"staleness/mean": 2.0}))
     assert change is not None and change.reason == "staleness" and stale.depth == 1
+
+
+def test_a_move_up_that_made_things_worse_is_undone_and_retried_later() -> None:
+    """Deeper, more groups go over the bound and are dropped: less goodput, the trainer no
+    busier. The move up is undone, and tried again only after retry_steps."""
+    config = AutoDepthConfig(hold_steps=2, initial=1, retry_steps=12)
+    controller = DepthController(config, 8)
+    shallow = _record(0.4, **{"tokens/generated": 1000.0})
+    deep = _record(0.45, **{"tokens/generated": 1000.0, "tokens/wasted": 200.0})
+    moves = []
+    for _ in range(60):
+        change = controller.observe(shallow if controller.depth <= 1 else deep)
+        if change is not None:
+            moves.append((controller._steps, change.old, change.new, change.reason))
+    assert moves[0][1:] == (1, 2, "trainer_idle") and moves[1][1:] == (2, 1, "worse")
+    retries = [step for step, old, new, _ in moves if new > old]
+    assert all(b - a > config.retry_steps for a, b in pairwise(retries))
+    assert len(retries) >= 2  # explored again once the limit lapsed (the workload may drift)
+    assert controller.depth == 1 or moves[-1][3] == "trainer_idle"
+
+
+def test_a_move_down_that_left_the_trainer_idle_is_undone() -> None:
+    """Generation idles at depth 2 with the trainer busy, so the controller tries 1; there the
+    trainer starves: back to 2, and no lower for retry_steps."""
+    config = AutoDepthConfig(hold_steps=1, initial=2, retry_steps=15)
+    controller = DepthController(config, 8)
+    busy = _record(0.0, 0.5, **{"tokens/generated": 1000.0})
+    starved = _record(0.3, 0.0, **{"tokens/generated": 700.0})
+    moves = []
+    for _ in range(15):
+        change = controller.observe(starved if controller.depth < 2 else busy)
+        if change is not None:
+            moves.append((controller._steps, change.old, change.new, change.reason))
+    assert [m[1:] for m in moves] == [(2, 1, "generation_idle"), (1, 2, "worse")]
+    assert controller.floor == 2 and controller.depth == 2
 
 
 def test_the_ceiling_is_what_max_staleness_allows() -> None:
