@@ -151,7 +151,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rllm_async.plan.replay import plan, render
 
     grid = {
-        "depths": [int(x) for x in args.depths.split(",")],
+        "depths": [_depth(x) for x in args.depths.split(",")],
         "bounds": args.bounds.split(","),
         "policies": args.policies.split(","),
         "concurrency": [float(x) for x in args.concurrency.split(",")],
@@ -307,7 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--scale-servers", type=float, default=1.0, help="N times the rollout servers")
     pl.add_argument("--scale-batch", type=float, default=1.0, help="N times the groups per step")
     pl.add_argument("--steps", type=int, default=None, help="default: the recorded steps, <= 60")
-    pl.add_argument("--depths", default="1,2,4,8", help="pipeline depths to try")
+    pl.add_argument(
+        "--depths", default="1,2,4,8", help="pipeline depths to try (auto: the depth controller)"
+    )
     pl.add_argument("--bounds", default="none,d,2d", help="max_staleness: none, d, 2d or numbers")
     pl.add_argument("--policies", default="requeue", help="stale_policy values: requeue,drop")
     pl.add_argument(

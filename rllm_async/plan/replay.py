@@ -109,13 +109,14 @@ def replay(f: FittedWorkload, c: Candidate, steps: int, seed: int = 0) -> dict[s
 
 def candidates(
     f: FittedWorkload,
-    depths: Sequence[int] = (1, 2, 4, 8),
+    depths: Sequence[int | Literal["auto"]] = (1, 2, 4, 8),
     bounds: Sequence[str] = ("none", "d", "2d"),
     policies: Sequence[str] = ("requeue",),
     concurrency: Sequence[float] = (1.0, 0.5),
 ) -> list[Candidate]:
-    """Sync, then async for each depth, bound (none, `d`, `2d` or a number), policy and concurrency
-    (fractions of the recorded `rollout.max_concurrency`)."""
+    """Sync, then async for each depth (or `auto`, the depth controller), bound (none, `d`, `2d`
+    or a number; `auto` takes none and numbers), policy and concurrency (fractions of the recorded
+    `rollout.max_concurrency`)."""
     base = int(f.meta["max_concurrency"])
     out = [
         Candidate("sync", 0, 0, "requeue", base, classic=True),
@@ -123,18 +124,24 @@ def candidates(
     ]
     for conc in dict.fromkeys(max(1, round(base * x)) for x in concurrency):
         for d in depths:
-            for bound in dict.fromkeys(_bound(b, d) for b in bounds):
+            for bound in _bounds(bounds, d):
                 for policy in policies if bound is not None else ("requeue",):
                     out.append(Candidate("async", d, bound, policy, conc))
     return out
 
 
-def _bound(spec: str, d: int) -> int | None:
-    if spec == "none":
-        return None
-    if spec.endswith("d"):
-        return int(spec[:-1] or 1) * d
-    return max(d, int(spec))
+def _bounds(specs: Sequence[str], d: int | Literal["auto"]) -> list[int | None]:
+    """The max_staleness of each bound spec at depth d, once each (`auto` takes no `d` spec)."""
+    out: list[int | None] = []
+    for spec in specs:
+        if spec == "none":
+            out.append(None)
+        elif spec.endswith("d"):
+            if d != "auto":
+                out.append(int(spec[:-1] or 1) * d)
+        else:
+            out.append(int(spec) if d == "auto" else max(d, int(spec)))
+    return list(dict.fromkeys(out))
 
 
 def recorded_candidate(f: FittedWorkload) -> Candidate:

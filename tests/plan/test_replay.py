@@ -4,6 +4,7 @@ recommendation keeps its budget."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +264,14 @@ def test_a_setting_given_twice_is_replayed_once(
     monkeypatch.setattr("rllm_async.plan.replay.replay", counted)
     first, again = replay_rows(f, [setting, setting], 4)
     assert calls == [setting] and first == again
+
+
+def test_the_plan_replays_the_depth_controller_among_its_candidates(
+    small_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", str(small_run), "--depths", "2,auto", "--bounds", "none,d,4", "--json"]
+    assert main([*argv, "--concurrency", "1", "--steps", "6"]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    auto = [(r["setting"], r["max_staleness"]) for r in rows if r["pipeline_depth"] == "auto"]
+    assert auto == [("d=auto K=none", None), ("d=auto K=4 requeue", 4)]  # no `d` bound for auto
+    assert all(r["violations"] == 0 and r["step_s"] > 0 for r in rows)
