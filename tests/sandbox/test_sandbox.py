@@ -92,8 +92,15 @@ def test_the_pool_reuses_its_sandboxes_and_keeps_runs_apart(setup: Setup) -> Non
     assert metrics[f"isolation/{setup.isolation}"] == 1.0
 
 
-def test_a_runs_time_is_bounded_by_what_the_episode_has_left() -> None:
-    pool = SandboxPool(1, SandboxLimits(wall_s=10.0), "rlimits", margin_s=0.5, python="python3")
+def test_a_runs_time_is_bounded_by_what_the_episode_has_left(setup: Setup) -> None:
+    pool = SandboxPool(
+        1,
+        SandboxLimits(wall_s=10.0),
+        setup.isolation,
+        margin_s=0.5,
+        root_dir=str(setup.root_dir),
+        python=setup.python,
+    )
     assert pool.wall_s() == 10.0
     assert pool.wall_s(timeout_s=4.0) == 4.0
     assert pool.wall_s(timeout_s=4.0, time_left_s=3.0) == 2.5

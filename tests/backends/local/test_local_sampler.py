@@ -214,8 +214,11 @@ def test_callers_on_event_loops_of_their_own_share_the_sampler() -> None:
 
     abandoned = asyncio.new_event_loop()
     pending = abandoned.create_task(policy.generate(p, SamplingParams(max_tokens=1)))
-    abandoned.run_until_complete(asyncio.sleep(0))  # the request is queued
-    abandoned.close()  # its completion can no longer be delivered
+    # The decode thread waits on the sampler's lock (re-entrant: this thread queues under it)
+    # until the loop is closed, so that the completion can no longer be delivered, however fast.
+    with backend.sampler._wake:
+        abandoned.run_until_complete(asyncio.sleep(0))  # the request is queued
+        abandoned.close()
 
     results: dict[str, list[Completion]] = {}
     start = threading.Barrier(2)
