@@ -10,6 +10,9 @@ its policy version was published; evaluations run beside training in both modes,
 shows as slower steps, and `eval_lag_s` is how long after that time they landed on average.
 Prints one JSON line.
 
+`--modes async auto` compares the config as it is with `coordinator.pipeline_depth: auto`;
+`speedup_seed<N>` is always the first mode's time over the second's.
+
 Usage: python benchmarks/time_to_reward.py [--config examples/countdown/local_async.yaml]
            [--modes sync async] [--steps 300] [--seeds 0 1 2] [--targets 0.4 0.5 0.6]
 """
@@ -27,6 +30,7 @@ from rllm_async.trainer import UnifiedTrainer
 MODES = {
     "sync": ["mode=sync", "coordinator.pipeline_depth=0", "coordinator.max_staleness=0"],
     "async": ["mode=async"],
+    "auto": ["mode=async", "coordinator.pipeline_depth=auto"],  # the depth controller
 }
 
 
@@ -103,9 +107,10 @@ def main() -> None:
                 times[mode] = {t: time_to(curve, t) for t in args.targets}
                 result["time_to_accuracy_s"] = times[mode]
                 out[f"{mode}_seed{seed}"] = result
-            if len(times) == 2:
+            if len(times) == 2:  # the first mode's time / the second's
+                first, second = args.modes
                 out[f"speedup_seed{seed}"] = {
-                    t: ratio(times["sync"][t], times["async"][t]) for t in args.targets
+                    t: ratio(times[first][t], times[second][t]) for t in args.targets
                 }
     print(json.dumps(out))
 
