@@ -11,7 +11,12 @@ slow tool or simulator would. The same config trains once with `mode: sync` and 
   reward first reaches it; speedup_to_target: their ratio;
 - curve_sync / curve_async: [elapsed_s, reward] per step, for plotting.
 
+`--modes A B` compares any two of `sync`, `async` (d = 2, K = 2), `shipped` (the config's own
+d = 1, K = 2) and `auto` (`pipeline_depth: auto`), the keys named after them;
+speedup_to_target is A's time / B's. `--seed N` sets the run's seed.
+
 Usage: python benchmarks/multi_turn_async.py [--steps 150] [--latency-ms 50] [--target R]
+           [--modes sync async] [--seed 0]
 """
 
 from __future__ import annotations
@@ -28,11 +33,22 @@ CONFIG = "examples/guess/local_async.yaml"
 WINDOW = 10
 
 
-def train(mode: str, steps: int, latency_ms: float, run_dir: str) -> list[dict[str, Any]]:
+# The coordinator settings of each mode; `shipped` keeps the config's own (d = 1, K = 2).
+MODES = {
+    "sync": ["mode=sync", "coordinator.pipeline_depth=0", "coordinator.max_staleness=0"],
+    "async": ["mode=async", "coordinator.pipeline_depth=2", "coordinator.max_staleness=2"],
+    "shipped": [],
+    "auto": ["coordinator.pipeline_depth=auto"],
+}
+
+
+def train(
+    mode: str, steps: int, latency_ms: float, seed: int, run_dir: str
+) -> list[dict[str, Any]]:
     overrides = [
-        f"name=bench-{mode}",
+        f"name=bench-{mode}-{seed}",
         f"run_dir={run_dir}",
-        f"mode={mode}",
+        f"seed={seed}",
         f"train.total_steps={steps}",
         "workflow.args.env_args.latency_s=" + str(latency_ms / 1e3),
         "workflow.args.env_args.latency_sigma=1.0",
@@ -41,11 +57,8 @@ def train(mode: str, steps: int, latency_ms: float, run_dir: str) -> list[dict[s
         "checkpoint.at_end=false",
         "checkpoint.resume=never",
         "logging.progress_bar=false",
+        *MODES[mode],
     ]
-    if mode == "async":
-        overrides += ["coordinator.pipeline_depth=2", "coordinator.max_staleness=2"]
-    else:
-        overrides += ["coordinator.pipeline_depth=0", "coordinator.max_staleness=0"]
     return UnifiedTrainer(load_config(CONFIG, overrides)).run()
 
 
@@ -68,27 +81,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--latency-ms", type=float, default=50.0)
     parser.add_argument("--target", type=float, default=None)
+    parser.add_argument("--modes", nargs=2, choices=list(MODES), default=["sync", "async"])
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    first, second = args.modes
     with tempfile.TemporaryDirectory() as tmp:
-        curves = {m: curve(train(m, args.steps, args.latency_ms, tmp)) for m in ("sync", "async")}
+        curves = {
+            m: curve(train(m, args.steps, args.latency_ms, args.seed, tmp)) for m in args.modes
+        }
     start = sum(c[WINDOW - 1][1] for c in curves.values()) / 2
     best = min(max(r for _, r in c[WINDOW - 1 :]) for c in curves.values())
     target = args.target if args.target is not None else round(start + 0.8 * (best - start), 4)
-    t_sync, t_async = time_to(curves["sync"], target), time_to(curves["async"], target)
-    out = {
-        "steps": args.steps,
-        "latency_median_ms": args.latency_ms,
-        "sync_s": curves["sync"][-1][0],
-        "async_s": curves["async"][-1][0],
-        "step_s_sync": round(curves["sync"][-1][0] / args.steps, 3),
-        "step_s_async": round(curves["async"][-1][0] / args.steps, 3),
-        "target": target,
-        "sync_to_target_s": t_sync,
-        "async_to_target_s": t_async,
-        "speedup_to_target": round(t_sync / t_async, 2) if t_sync and t_async else None,
-        "curve_sync": curves["sync"],
-        "curve_async": curves["async"],
-    }
+    to = {m: time_to(curves[m], target) for m in args.modes}
+    out: dict[str, Any] = {"steps": args.steps, "latency_median_ms": args.latency_ms}
+    out["seed"] = args.seed
+    for m in args.modes:
+        out[f"{m}_s"] = curves[m][-1][0]
+        out[f"step_s_{m}"] = round(curves[m][-1][0] / args.steps, 3)
+    out["target"] = target
+    for m in args.modes:
+        out[f"{m}_to_target_s"] = to[m]
+    t_first, t_second = to[first], to[second]
+    out["speedup_to_target"] = round(t_first / t_second, 2) if t_first and t_second else None
+    for m in args.modes:
+        out[f"curve_{m}"] = curves[m]
     print(json.dumps(out))
 
 
