@@ -78,9 +78,10 @@ def time_to(curve: list[tuple[int, float, float]], target: float) -> float | Non
     return next((t for _, t, acc in curve if acc >= target), None)
 
 
-def ratio(sync_s: float | None, async_s: float | None) -> float | None:
-    """How many times sooner async got there; None unless both did (and async after its start)."""
-    return round(sync_s / async_s, 2) if sync_s is not None and async_s else None
+def ratio(first_s: float | None, second_s: float | None) -> float | None:
+    """How many times sooner the second run got there; None unless both did (the second after
+    its start)."""
+    return round(first_s / second_s, 2) if first_s is not None and second_s else None
 
 
 def main() -> None:

@@ -148,7 +148,7 @@ class DepthController:
         self._lag = 0.0  # the consumed groups' staleness, recent steps weighing most
         self._cap, self._floor = ceiling, 0  # limits from failed trials and budgets...
         self._cap_until = self._floor_until = 0  # ...until these steps
-        self._below: list[_Mark] = []  # the depths moved up from, each with what called for it
+        self._below: list[_Mark] = []  # the depths moved up from, each with what it gave
         self._above: _Mark | None = None  # the depth a judged move down came from
 
     @property
