@@ -116,6 +116,7 @@ class AutoDepthConfig(_Section):
     max_waste: float | None = Field(default=None, ge=0.0, le=1.0)  # wasted / generated tokens
     max_dropped: float | None = Field(default=None, ge=0.0, le=1.0)  # stale drops / groups taken
     max_mean_staleness: float | None = Field(default=None, ge=0.0)  # of the consumed groups
+    max_sampler_kl: float | None = Field(default=None, ge=0.0)  # loss/sampler_kl, token mean
     min_gain: float = Field(default=0.02, ge=0.0)  # a move up losing this much goodput is undone
     retry_steps: int = Field(default=20, ge=0)  # how long moves are judged and limits hold
 

@@ -2,12 +2,14 @@
 what each step's record measured.
 
 It keeps the trainer busy (its idle ratio waiting for groups under `auto.target_idle`), within
-the budgets (`auto.max_waste`, `auto.max_dropped`, `auto.max_mean_staleness`) and never above the
-ceiling that the hard bound `max_staleness` allows (`depth_ceiling`). Once every
+the budgets (`auto.max_waste`, `auto.max_dropped`, `auto.max_mean_staleness`,
+`auto.max_sampler_kl`: the KL between the sampler's and the learner's token distributions, which
+grows with staleness) and never above the ceiling that the hard bound `max_staleness` allows
+(`depth_ceiling`). Once every
 `auto.hold_steps` steps it judges the steps since its last judgment, and moves at most once:
 
 1. a budget exceeded: back to the depth the last move up came from (else one lower), and no
-   higher for `auto.retry_steps` steps (reason `waste`, `dropped` or `staleness`);
+   higher for `auto.retry_steps` steps (reason `waste`, `dropped`, `staleness` or `sampler_kl`);
 2. the last move undone where it made things worse (`worse`). Each depth is measured over its
    last `STAY_STEPS` judged steps: goodput (generated tokens not wasted, per second) and the
    trainer's idle ratio. A move up is undone while, within `retry_steps` of it, the new depth
@@ -38,7 +40,15 @@ from dataclasses import dataclass
 from rllm_async.config import AutoDepthConfig
 
 STAY_STEPS = 8  # the steps at a depth that say what it gives
-REASONS = ("trainer_idle", "generation_idle", "worse", "waste", "dropped", "staleness")
+REASONS = (
+    "trainer_idle",
+    "generation_idle",
+    "worse",
+    "waste",
+    "dropped",
+    "staleness",
+    "sampler_kl",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +77,8 @@ class _Totals:
     taken: float = 0.0  # groups consumed or dropped
     staleness: float = 0.0  # sum of the steps' mean staleness
     staleness_steps: int = 0
+    sampler_kl: float = 0.0  # summed over the trained tokens
+    trained: float = 0.0  # tokens
 
     def add(self, r: Mapping[str, float]) -> None:
         step_s = float(r.get("time/step_s", 0.0))
@@ -81,6 +93,10 @@ class _Totals:
         if "staleness/mean" in r:
             self.staleness += float(r["staleness/mean"])
             self.staleness_steps += 1
+        if "loss/sampler_kl" in r:
+            tokens = float(r.get("loss/num_tokens", 1.0))
+            self.sampler_kl += float(r["loss/sampler_kl"]) * tokens
+            self.trained += tokens
 
     @classmethod
     def of(cls, records: Iterable[Mapping[str, float]]) -> _Totals:
@@ -164,7 +180,8 @@ class DepthController:
     def observe(self, record: Mapping[str, float]) -> DepthChange | None:
         """Take one step's record (`time/step_s`, `async/trainer_idle_ratio`,
         `async/generation_idle_ratio`, `tokens/generated`, `tokens/wasted`,
-        `groups/dropped_stale`, `groups/consumed`, `staleness/mean`); the change it makes after
+        `groups/dropped_stale`, `groups/consumed`, `staleness/mean`, `loss/sampler_kl`,
+        `loss/num_tokens`); the change it makes after
         it, if any. The first step (the pipeline filling) is not judged."""
         self._steps += 1
         if self._steps == 1:
@@ -239,7 +256,8 @@ class DepthController:
         return None
 
     def _over_budget(self, w: _Totals) -> str | None:
-        """The first budget the judged steps exceed (`waste`, `dropped`, `staleness`), if any."""
+        """The first budget the judged steps exceed (`waste`, `dropped`, `staleness`,
+        `sampler_kl`), if any."""
         c = self.config
         if c.max_waste is not None and w.generated and w.wasted / w.generated > c.max_waste:
             return "waste"
@@ -248,4 +266,7 @@ class DepthController:
         staleness = w.staleness / w.staleness_steps if w.staleness_steps else 0.0
         if c.max_mean_staleness is not None and staleness > c.max_mean_staleness:
             return "staleness"
+        kl = w.sampler_kl / w.trained if w.trained else 0.0
+        if c.max_sampler_kl is not None and kl > c.max_sampler_kl:
+            return "sampler_kl"
         return None

@@ -17,6 +17,7 @@ from rllm_async.plan.simulate import run_workload
 from rllm_async.staleness_controller import REASONS, DepthChange, DepthController
 from rllm_async.vclock import run
 from tests import heavy_tailed
+from tests.digits import digits_config, train
 
 
 def _record(idle: float, gen_idle: float = 0.0, **more: float) -> dict[str, float]:
@@ -274,3 +275,32 @@ def test_simulate_takes_auto_from_the_command_line(capsys) -> None:
     assert main([*argv, "--steps", "4", "--json", "--set", *small]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["pipeline_depth"], out["max_staleness"], out["violations"]) == ("auto", 4, 0)
+
+
+def test_the_sampler_kl_budget_is_the_token_weighted_kl_of_the_judged_steps() -> None:
+    config = AutoDepthConfig(hold_steps=2, initial=3, max_sampler_kl=0.01)
+    controller = DepthController(config, 8)
+    controller.observe(_record(0.0))
+    # 0.03 over 100 tokens and 0.0 over 900: 0.003 on the mean, within the budget.
+    for kl, tokens in ((0.03, 100.0), (0.0, 900.0)):
+        record = _record(0.0, **{"loss/sampler_kl": kl, "loss/num_tokens": tokens})
+        assert controller.observe(record) is None
+    controller.observe(_record(0.0, **{"loss/sampler_kl": 0.02, "loss/num_tokens": 500.0}))
+    change = controller.observe(_record(0.0, **{"loss/sampler_kl": 0.01, "loss/num_tokens": 500.0}))
+    assert change is not None and (change.old, change.new, change.reason) == (3, 2, "sampler_kl")
+
+
+def test_auto_on_the_local_backend_keeps_a_sampler_kl_budget(tmp_path) -> None:
+    """A real run (the local backend's tiny model): stale groups are sampled by weights the
+    learner has moved on from, so their KL is above a zero budget and the depth goes down."""
+    config = digits_config(tmp_path, "auto", {"model": "tiny"}, total_steps=8, groups_per_step=4)
+    auto = {"initial": 2, "hold_steps": 1, "max_sampler_kl": 0.0}
+    config.coordinator = CoordinatorConfig(pipeline_depth="auto", max_staleness=2, auto=auto)
+    records = train(config)
+    depths = [r["coordinator/pipeline_depth"] for r in records]
+    assert len(records) == 8 and depths[0] == 2
+    assert all(b <= a for a, b in pairwise(depths))  # capped by the budget: it never goes up
+    assert all(r["staleness/max"] <= 2 for r in records if "staleness/max" in r)
+    changes = [(k, v) for r in records for k, v in r.items() if "depth_change" in k]
+    assert changes and changes[0] == ("coordinator/depth_change/sampler_kl", -1.0)
+    assert any(r["loss/sampler_kl"] > 0 for r in records[1:])
