@@ -5,22 +5,27 @@ It keeps the trainer busy (its idle ratio waiting for groups under `auto.target_
 the budgets (`auto.max_waste`, `auto.max_dropped`, `auto.max_mean_staleness`,
 `auto.max_sampler_kl`: the KL between the sampler's and the learner's token distributions, which
 grows with staleness) and never above the ceiling that the hard bound `max_staleness` allows
-(`depth_ceiling`). Once every
-`auto.hold_steps` steps it judges the steps since its last judgment, and moves at most once:
+(`depth_ceiling`). Once every `auto.hold_steps` steps it judges the steps since its last
+judgment, and moves at most once:
 
 1. a budget exceeded: back to the depth the last move up came from (else one lower), and no
    higher for `auto.retry_steps` steps (reason `waste`, `dropped`, `staleness` or `sampler_kl`);
 2. the last move undone where it made things worse (`worse`). Each depth is measured over its
    last `STAY_STEPS` judged steps: goodput (generated tokens not wasted, per second) and the
-   trainer's idle ratio. A move up is undone while, within `retry_steps` of it, the new depth
-   gives less goodput by `auto.min_gain` with the trainer no busier (groups over the bound are
-   dropped: the waste shows up steps later); it is not tried again for `retry_steps` steps. A
-   move down is undone where the depth it left did better on either measure, and the controller
-   stays at least that deep for `retry_steps` steps. Where the two measures disagree it keeps
-   the deeper depth, which also rides out hung rollouts better;
-3. the trainer idle above `target_idle`: up, doubling while it idles over four times the target,
+   trainer's busy ratio, each a mean over steps with its standard error; a difference counts
+   where it exceeds `auto.min_gain` and `Z` standard errors (the steps' own noise). A move up is
+   undone while, within `retry_steps` of it, the new depth gives less goodput with the trainer
+   no busier (groups over the bound are dropped: the waste shows up steps later); it is not
+   tried again for `retry_steps` steps. A move down is undone where the depth it left did better
+   on either measure, and the controller stays at least that deep for `retry_steps` steps;
+3. the trainer idle while more than `min_gain` of the groups taken were dropped as too stale,
+   none of the rollouts hung: one lower, and no higher until that is judged (`over_bound`).
+   Fewer rollouts at once decode faster, so fewer go over the bound; the move is judged as any
+   move down. Hung rollouts are left out: they hold their groups past the bound at any depth,
+   and a deeper pipeline keeps the others flowing around them;
+4. the trainer idle above `target_idle`: up, doubling while it idles over four times the target,
    else by one (`trainer_idle`);
-4. the trainer busy (idle under half the target) while generation idles above
+5. the trainer busy (idle under half the target) while generation idles above
    `auto.generation_idle` (generation waits for admission): one lower, for less staleness at no
    cost in throughput (`generation_idle`).
 
@@ -33,6 +38,7 @@ Limits and judgments lapse after `retry_steps`, so that a drifting workload is e
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -40,14 +46,16 @@ from dataclasses import dataclass
 from rllm_async.config import AutoDepthConfig
 
 STAY_STEPS = 8  # the steps at a depth that say what it gives
-REASONS = (
-    "trainer_idle",
-    "generation_idle",
-    "worse",
+Z = 2.0  # standard errors by which a difference between depths must exceed the steps' noise
+REASONS = (  # in the order the controller weighs them
     "waste",
     "dropped",
     "staleness",
     "sampler_kl",
+    "worse",
+    "over_bound",
+    "trainer_idle",
+    "generation_idle",
 )
 
 
@@ -74,6 +82,7 @@ class _Totals:
     generated: float = 0.0  # tokens
     wasted: float = 0.0  # tokens
     dropped: float = 0.0  # groups over the bound
+    timeouts: float = 0.0  # rollouts that hung
     taken: float = 0.0  # groups consumed or dropped
     staleness: float = 0.0  # sum of the steps' mean staleness
     staleness_steps: int = 0
@@ -89,6 +98,7 @@ class _Totals:
         self.wasted += float(r.get("tokens/wasted", 0.0))
         dropped = float(r.get("groups/dropped_stale", 0.0))
         self.dropped += dropped
+        self.timeouts += float(r.get("rollout/timeouts", 0.0))
         self.taken += dropped + float(r.get("groups/consumed", 0.0))
         if "staleness/mean" in r:
             self.staleness += float(r["staleness/mean"])
@@ -97,13 +107,6 @@ class _Totals:
             tokens = float(r.get("loss/num_tokens", 1.0))
             self.sampler_kl += float(r["loss/sampler_kl"]) * tokens
             self.trained += tokens
-
-    @classmethod
-    def of(cls, records: Iterable[Mapping[str, float]]) -> _Totals:
-        totals = cls()
-        for r in records:
-            totals.add(r)
-        return totals
 
     @property
     def idle(self) -> float:
@@ -120,28 +123,61 @@ class _Totals:
 
 
 @dataclass(frozen=True, slots=True)
-class _Mark:
-    """A depth the controller left, and what it gave there."""
+class _Estimate:
+    """A mean over steps, with the sum of squared deviations from it, for a two-sample test."""
 
-    depth: int
-    goodput: float
-    idle: float
-    step: int  # when it was left
+    mean: float
+    squares: float
+    n: int
 
     @classmethod
-    def of(cls, depth: int, steps: _Totals, step: int) -> _Mark:
-        return cls(depth, steps.goodput, steps.idle, step)
+    def of(cls, values: list[float]) -> _Estimate:
+        values = [v for v in values if math.isfinite(v)]
+        mean = statistics.fmean(values) if values else 0.0
+        return cls(mean, sum((v - mean) * (v - mean) for v in values), len(values))
+
+    def exceeds(self, other: _Estimate, margin: float) -> bool:
+        """Whether this is above `other` by `margin` (a fraction) and by more than `Z` standard
+        errors of the difference (the two samples' variance pooled, so that a single step is
+        judged by the other's noise): a gain the steps' noise does not explain."""
+        if not self.n or not other.n:
+            return False
+        gap = self.mean - other.mean
+        df = self.n + other.n - 2  # 0: one step each, no noise to judge by but the margin
+        pooled = (self.squares + other.squares) / df if df else 0.0
+        se = math.sqrt(pooled * (1 / self.n + 1 / other.n))
+        return gap > abs(other.mean) * margin and gap > Z * se
+
+
+@dataclass(frozen=True, slots=True)
+class _Mark:
+    """A depth, and what it gave over its last judged steps: goodput and the trainer's busy ratio."""
+
+    depth: int
+    goodput: _Estimate
+    busy: _Estimate
+    step: int  # when it was judged
+
+    @classmethod
+    def of(cls, depth: int, records: Iterable[Mapping[str, float]], step: int) -> _Mark:
+        goodput, busy = [], []
+        for r in records:
+            step_s = float(r.get("time/step_s", 0.0))
+            if step_s > 0:
+                good = float(r.get("tokens/generated", 0.0)) - float(r.get("tokens/wasted", 0.0))
+                goodput.append(good / step_s)
+                busy.append(1.0 - float(r.get("async/trainer_idle_ratio", 0.0)))
+        return cls(depth, _Estimate.of(goodput), _Estimate.of(busy), step)
 
 
 def _better(a: _Mark, b: _Mark, margin: float) -> bool:
     """Whether `a` did better than `b` by `margin`: more goodput, or the trainer busier."""
-    busier = 1.0 - a.idle > (1.0 - b.idle) * (1.0 + margin)
-    return busier or a.goodput > b.goodput * (1.0 + margin)
+    return a.busy.exceeds(b.busy, margin) or a.goodput.exceeds(b.goodput, margin)
 
 
 def _worse(a: _Mark, b: _Mark, margin: float) -> bool:
     """Whether `a` did worse than `b`: less goodput by `margin`, and the trainer no busier."""
-    return a.goodput * (1.0 + margin) < b.goodput and a.idle >= b.idle
+    return b.goodput.exceeds(a.goodput, margin) and a.busy.mean <= b.busy.mean
 
 
 class DepthController:
@@ -203,13 +239,13 @@ class DepthController:
         return change
 
     def _move(self, change: DepthChange) -> None:
-        left = _Mark.of(change.old, _Totals.of(self._stay), self._steps)
+        left = _Mark.of(change.old, self._stay, self._steps)
         if change.new > change.old:
             self._below.append(left)
             self._above = None
         else:
             self._below = [m for m in self._below if m.depth < change.new]
-            judged = change.reason in ("worse", "generation_idle")
+            judged = change.reason in ("worse", "generation_idle", "over_bound")
             self._above = left if judged else None
         self.depth = change.new
         self.changes.append((self._steps, change))
@@ -222,7 +258,7 @@ class DepthController:
 
     def _decide(self, w: _Totals) -> DepthChange | None:
         c, d = self.config, self.depth
-        here = _Mark.of(d, _Totals.of(self._stay), self._steps)
+        here = _Mark.of(d, self._stay, self._steps)
         # A move is judged against the depth it left for `retry_steps`; then it stands.
         recent = self._steps - c.retry_steps
         over = self._over_budget(w)
@@ -235,7 +271,7 @@ class DepthController:
         above = self._above
         if above is not None and above.step >= recent and _better(above, here, c.min_gain):
             # The move down made things worse: back up, and not below that for a while.
-            self._cap_until = 0
+            self._cap = max(self.cap, above.depth)  # a limit from before the move still holds
             self._floor, self._floor_until = above.depth, self._steps + c.retry_steps
             return DepthChange(d, above.depth, "worse")
         below = self._below[-1] if self._below else None
@@ -248,6 +284,13 @@ class DepthController:
             # The move up made things worse (its waste shows up late): back, not up again soon.
             self._cap, self._cap_until = below.depth, self._steps + c.retry_steps
             return DepthChange(d, below.depth, "worse")
+        dropping = w.taken and w.dropped / w.taken > c.min_gain and not w.timeouts
+        if w.idle > c.target_idle and dropping and d > self.floor:
+            # Generation-bound and dropping groups over the bound: a shallower pipeline runs
+            # fewer rollouts at once, each faster, so fewer go over it. No higher until judged:
+            # the wait after a move down (the old depth + 1 steps), then a stay's steps.
+            self._cap, self._cap_until = d - 1, self._steps + d + 1 + STAY_STEPS
+            return DepthChange(d, d - 1, "over_bound")
         if w.idle > c.target_idle:
             new = min(self.cap, d + max(1, d) if w.idle > 4 * c.target_idle else d + 1)
             return DepthChange(d, new, "trainer_idle") if new > d else None

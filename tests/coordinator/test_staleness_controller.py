@@ -49,6 +49,9 @@ records = st.fixed_dictionaries(
         "groups/dropped_stale": st.floats(0.0, 10.0),
         "groups/consumed": st.floats(0.0, 10.0),
         "staleness/mean": st.floats(0.0, 20.0),
+        "rollout/timeouts": st.sampled_from([0.0, 1.0]),
+        "loss/sampler_kl": st.floats(0.0, 1.0),
+        "loss/num_tokens": st.floats(0.0, 1e5),
     }
 )
 
@@ -71,7 +74,9 @@ def test_every_decision_stays_within_what_the_hard_bound_allows(
         pipeline_depth="auto",
         max_staleness=k,
         sync_every=sync_every,
-        auto=AutoDepthConfig(hold_steps=hold, initial=initial, max_waste=waste),
+        auto=AutoDepthConfig(
+            hold_steps=hold, initial=initial, max_waste=waste, max_sampler_kl=waste
+        ),
     )
     coord = SyncCoordinator(config, 2, _no_hook, updates_per_batch=updates)
     controller = coord.controller
@@ -304,3 +309,43 @@ def test_auto_on_the_local_backend_keeps_a_sampler_kl_budget(tmp_path) -> None:
     changes = [(k, v) for r in records for k, v in r.items() if "depth_change" in k]
     assert changes and changes[0] == ("coordinator/depth_change/sampler_kl", -1.0)
     assert any(r["loss/sampler_kl"] > 0 for r in records[1:])
+
+
+def test_groups_over_the_bound_while_the_trainer_idles_lower_the_depth() -> None:
+    """Generation-bound with groups dropped as too stale: one lower, and no higher while that is
+    judged; with hung rollouts among them (timeouts), the drops are not the depth's doing."""
+    config = AutoDepthConfig(hold_steps=1, initial=3, retry_steps=10)
+    late = {"groups/dropped_stale": 2.0, "groups/consumed": 14.0, "tokens/generated": 1000.0}
+    controller = DepthController(config, 8)
+    controller.observe(_record(0.5))
+    change = controller.observe(_record(0.5, **late))
+    assert change is not None and (change.old, change.new, change.reason) == (3, 2, "over_bound")
+    assert _after_the_wait(controller, _record(0.5, **{"tokens/generated": 1000.0})) is None
+    assert controller.depth == 2 and controller.cap == 2  # idle, but not back up yet
+    hung = DepthController(config, 8)
+    hung.observe(_record(0.5))
+    change = hung.observe(_record(0.5, **late, **{"rollout/timeouts": 1.0}))
+    assert change is not None and (change.new, change.reason) == (6, "trainer_idle")
+
+
+def test_a_difference_within_the_steps_noise_does_not_undo_a_move() -> None:
+    """Two depths whose goodput differs by 5% on the mean, with steps that vary by 30%: the move
+    down stands; the same 5% with steady steps undoes it."""
+    config = AutoDepthConfig(hold_steps=1, initial=2, retry_steps=40)
+
+    def moves(noise: float) -> list[tuple[int, int, str]]:
+        controller = DepthController(config, 8)
+        out = []
+        for i in range(40):
+            scale = 1.0 + (noise if i % 2 else -noise)
+            goodput = 1000.0 if controller.depth >= 2 else 950.0
+            gen_idle = 0.5 if controller.depth >= 2 and i >= 8 else 0.0  # from step 9 on
+            change = controller.observe(
+                _record(0.0, gen_idle, **{"tokens/generated": goodput * scale})
+            )
+            if change is not None:
+                out.append((change.old, change.new, change.reason))
+        return out
+
+    assert moves(0.3) == [(2, 1, "generation_idle")]
+    assert moves(0.0) == [(2, 1, "generation_idle"), (1, 2, "worse")]
