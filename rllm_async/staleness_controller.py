@@ -32,7 +32,9 @@ judgment, and moves at most once:
 After each move it lets steps pass before judging again: as many as the consumed groups'
 staleness (the groups admitted before the move still arrive, those admitted after it take as
 long), and after a move down, the old depth plus one (groups admitted deeper may still be dropped).
-Limits and judgments lapse after `retry_steps`, so that a drifting workload is explored again.
+Limits and judgments lapse after `retry_steps`, so that a drifting workload is explored again;
+the limit an undone move sets holds twice as long for each move undone in a row (at most 8
+times), until a move stands through its judgment.
 """
 
 from __future__ import annotations
@@ -202,6 +204,8 @@ class DepthController:
         self._cap_until = self._floor_until = 0  # ...until these steps
         self._below: list[_Mark] = []  # the depths moved up from, each with what it gave
         self._above: _Mark | None = None  # the depth a judged move down came from
+        self._trial: int | None = None  # the step of the last move not yet judged to stand
+        self._undone = 0  # moves undone in a row: each doubles how long the next limit holds
 
     @property
     def cap(self) -> int:
@@ -247,6 +251,10 @@ class DepthController:
             self._below = [m for m in self._below if m.depth < change.new]
             judged = change.reason in ("worse", "generation_idle", "over_bound")
             self._above = left if judged else None
+        if change.reason == "worse":
+            self._undone, self._trial = self._undone + 1, None
+        else:
+            self._trial = self._steps
         self.depth = change.new
         self.changes.append((self._steps, change))
         self._stay.clear()
@@ -261,6 +269,10 @@ class DepthController:
         here = _Mark.of(d, self._stay, self._steps)
         # A move is judged against the depth it left for `retry_steps`; then it stands.
         recent = self._steps - c.retry_steps
+        if self._trial is not None and self._trial < recent:
+            self._undone, self._trial = 0, None
+        # A limit from an undone move holds longer for each undone in a row (at most 8x).
+        hold = c.retry_steps << min(self._undone, 3)
         over = self._over_budget(w)
         if over is not None:  # back where the last move up came from, or one lower
             new = self._below[-1].depth if self._below else d - 1
@@ -272,7 +284,7 @@ class DepthController:
         if above is not None and above.step >= recent and _better(above, here, c.min_gain):
             # The move down made things worse: back up, and not below that for a while.
             self._cap = max(self.cap, above.depth)  # a limit from before the move still holds
-            self._floor, self._floor_until = above.depth, self._steps + c.retry_steps
+            self._floor, self._floor_until = above.depth, self._steps + hold
             return DepthChange(d, above.depth, "worse")
         below = self._below[-1] if self._below else None
         if (
@@ -282,7 +294,7 @@ class DepthController:
             and _worse(here, below, c.min_gain)
         ):
             # The move up made things worse (its waste shows up late): back, not up again soon.
-            self._cap, self._cap_until = below.depth, self._steps + c.retry_steps
+            self._cap, self._cap_until = below.depth, self._steps + hold
             return DepthChange(d, below.depth, "worse")
         dropping = w.taken and w.dropped / w.taken > c.min_gain and not w.timeouts
         if w.idle > c.target_idle and dropping and d > self.floor:
