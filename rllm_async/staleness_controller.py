@@ -118,11 +118,6 @@ class _Totals:
     def generation_idle(self) -> float:
         return self.generation_idle_s / self.seconds if self.seconds > 0 else 0.0
 
-    @property
-    def goodput(self) -> float:
-        """Generated tokens not wasted, per second."""
-        return (self.generated - self.wasted) / self.seconds if self.seconds > 0 else 0.0
-
 
 @dataclass(frozen=True, slots=True)
 class _Estimate:
@@ -220,9 +215,9 @@ class DepthController:
     def observe(self, record: Mapping[str, float]) -> DepthChange | None:
         """Take one step's record (`time/step_s`, `async/trainer_idle_ratio`,
         `async/generation_idle_ratio`, `tokens/generated`, `tokens/wasted`,
-        `groups/dropped_stale`, `groups/consumed`, `staleness/mean`, `loss/sampler_kl`,
-        `loss/num_tokens`); the change it makes after
-        it, if any. The first step (the pipeline filling) is not judged."""
+        `groups/dropped_stale`, `groups/consumed`, `rollout/timeouts`, `staleness/mean`,
+        `loss/sampler_kl`, `loss/num_tokens`); the change it makes after it, if any. The first
+        step (the pipeline filling) is not judged."""
         self._steps += 1
         if self._steps == 1:
             return None
