@@ -31,6 +31,8 @@ from rllm_async.protocols import Completion, SamplingParams, Tokenizer
 
 PauseMode = Literal["keep", "wait", "abort"]
 ABORTED = "abort"  # vLLM's finish_reason for a request a pause with mode=abort cut short
+GENERATE = "/inference/v1/generate"
+HEALTH_EVERY_S = 1.0  # how often a control call in flight checks that its server is alive
 
 
 # Given the URL of a server that failed as if dead, make it serve again and return its URL (the
@@ -265,7 +267,7 @@ class VLLMPolicy:
         try:
             body = await self._post(
                 server,
-                "/inference/v1/generate",
+                GENERATE,
                 json={"token_ids": token_ids, "sampling_params": sampling},
                 long=True,
             )
@@ -363,28 +365,55 @@ class VLLMPolicy:
         once more on a new one: the server closes idle keep-alive connections, and a request
         sent on one as it closes is lost (every call here may be sent twice: generation is
         stateless, the control calls idempotent); a server that died then refuses the retry.
+        A control call that outlasts `HEALTH_EVERY_S` watches the server's `/health` meanwhile:
+        vLLM never answers a control call that was in flight when its engine died (the API
+        server stops listening and waits for it), so it fails once `/health` says so.
         """
-        if self._recover is None:
-            return await self._post_once(server, path, long=long, **kwargs)
-        # A server given up on may hang rather than refuse (vLLM's API server can stall while
-        # it shuts down): its calls in flight then fail at once instead of after their timeout.
         call = asyncio.ensure_future(self._post_once(server, path, long=long, **kwargs))
-        lost = asyncio.ensure_future(server.lost.wait())
+        watches: list[asyncio.Future[Any]] = []
+        if self._recover is not None:
+            # A server given up on may hang rather than refuse (vLLM's API server can stall
+            # while it shuts down): its calls in flight then fail at once.
+            watches.append(asyncio.ensure_future(server.lost.wait()))
+        if path != GENERATE:
+            watches.append(asyncio.ensure_future(self._sick(server)))
         try:
-            await asyncio.wait((call, lost), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((call, *watches), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            lost.cancel()
+            for watch in watches:
+                watch.cancel()
             if not call.done():
                 call.cancel()
                 with contextlib.suppress(asyncio.CancelledError, VLLMServerError):
                     await call
-        if call.cancelled():
-            raise VLLMServerError(str(server.gone))
         try:
-            return call.result()
+            if not call.cancelled():
+                return call.result()
+            if server.gone is not None:
+                raise VLLMServerError(str(server.gone))
+            sick = next(w.result() for w in watches if w.done() and not w.cancelled())
+            raise _ServerDown(
+                f"the vLLM server at {server.url} {sick} while {path} was in flight: "
+                "did its engine die?"
+            )
         except _ServerDown:
             self._on_down(server)
             raise
+
+    async def _sick(self, server: _Server) -> str:
+        """Return, saying what it answered, once `server`'s `/health` fails: HTTP 503 once
+        vLLM's engine died, refused connections once its API server stopped listening. A
+        probe that times out proves nothing (a busy server answers late) and is tried again."""
+        while True:
+            await asyncio.sleep(HEALTH_EVERY_S)
+            try:
+                response = await self._http.get(f"{server.url}/health", timeout=self._sync_timeout)
+            except httpx.ConnectError:
+                return "refused connections to /health"
+            except httpx.HTTPError:
+                continue
+            if response.status_code != 200:
+                return f"answered /health with HTTP {response.status_code}"
 
     async def _post_once(self, server: _Server, path: str, *, long: bool, **kwargs: Any) -> Any:
         url = f"{server.url}{path}"

@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +37,15 @@ ANSWER = {
     ]
 }
 HANG = object()  # a route that accepts the request and never answers
+# An `HTTPStatus` answer is that status with a null body (`health=HTTPStatus.SERVICE_UNAVAILABLE`).
 DROP = object()  # a route that closes the connection unanswered, as a dying server does
 
 Route = Callable[[str], Any]  # query string -> JSON answer, HANG, or an awaitable of either
 
 
 def answers(**overrides: Any) -> Route:
-    """Answers per route name (`generate`, `pause`, `reset_prefix_cache`, ...): a JSON value, HANG,
-    or a function of the query string; unnamed routes answer `{"success": true}`."""
+    """Answers per route name (`generate`, `pause`, `health`, ...): a JSON value, HANG, DROP, an
+    `HTTPStatus`, or a function of the query string; unnamed routes answer `{"success": true}`."""
 
     def route(path_and_query: str) -> Any:
         path, _, query = path_and_query.partition("?")
@@ -59,7 +61,7 @@ def answers(**overrides: Any) -> Route:
 async def server(
     route: Route, bodies: list[Any] | None = None
 ) -> AsyncIterator[tuple[str, list[str]]]:
-    """An HTTP/1.1 server on 127.0.0.1 answering each POST by `route`; yields its URL and the
+    """An HTTP/1.1 server on 127.0.0.1 answering each request (POST or GET) by `route`; yields its URL and the
     paths (with query strings) it was sent, in order; the JSON bodies go to `bodies`."""
     seen: list[str] = []
     handlers: set[asyncio.Task[None]] = set()
@@ -91,9 +93,11 @@ async def server(
                     await asyncio.Event().wait()
                 if answer is DROP:
                     return
-                body = json.dumps(answer).encode()
+                status = answer if isinstance(answer, HTTPStatus) else HTTPStatus.OK
+                body = json.dumps(None if isinstance(answer, HTTPStatus) else answer).encode()
                 writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    f"HTTP/1.1 {status.value} {status.phrase}\r\n".encode()
+                    + b"content-type: application/json\r\n"
                     + f"content-length: {len(body)}\r\n\r\n".encode()
                     + body
                 )
@@ -264,6 +268,42 @@ def test_a_sync_call_that_never_answers_times_out_and_resumes(weights: Path) -> 
             # Ended by sync_timeout_s: long before any other timeout (connect: 30 s).
             assert time.monotonic() - start < 20.0
             assert seen[-1] == "/resume" and policy.version == 0
+
+    asyncio.run(go())
+
+
+def test_a_sync_call_in_flight_fails_once_its_server_says_it_is_unhealthy(weights: Path) -> None:
+    """vLLM never answers a control call that was in flight when its engine died, while `/health`
+    answers 503: the sync fails then, naming that, not after its timeout (600 s here)."""
+
+    async def go() -> None:
+        route = answers(pause=HANG, health=HTTPStatus.SERVICE_UNAVAILABLE)
+        async with (
+            server(route) as (url, seen),
+            VLLMPolicy([url], CharTokenizer(), max_context_tokens=64, sync_timeout_s=600) as policy,
+        ):
+            with pytest.raises(
+                VLLMServerError,
+                match=rf"{url} answered /health with HTTP 503 while /pause was in flight",
+            ):
+                await asyncio.wait_for(policy.update_weights(weights, 1), 60)  # only a hang
+            assert "/health" in seen and policy.version == 0
+
+    asyncio.run(go())
+
+
+def test_a_slow_sync_call_on_a_healthy_server_is_waited_for(weights: Path) -> None:
+    """`/health` is checked while a control call runs long, and a healthy answer lets it run."""
+
+    async def go() -> None:
+        route = answers(pause=lambda _: _slow({"success": True}, 2.5))
+        async with (
+            server(route) as (url, seen),
+            VLLMPolicy([url], CharTokenizer(), max_context_tokens=64) as policy,
+        ):
+            await policy.update_weights(weights, 1)
+            assert policy.version == 1
+            assert seen.index("/health") < seen.index("/collective_rpc")  # during /pause
 
     asyncio.run(go())
 

@@ -88,6 +88,45 @@ def test_a_crash_fails_requests_in_flight_and_later_ones_fast(
         server.stop()
 
 
+def test_a_sync_in_flight_when_the_engine_dies_fails_without_waiting_for_its_timeout(
+    tiny_qwen: Path, tmp_path: Path
+) -> None:
+    """vLLM never answers a control call that was in flight when its engine core died (the API
+    server stops listening and waits for it): the sync fails once `/health` says so, not after
+    read_timeout_s. The core is stopped first, so that `/pause` is surely in flight."""
+    server = make_server(tiny_qwen, tmp_path, 0)
+    tok = load_tokenizer(tiny_qwen, setting="model")
+    weights = write_weights(
+        load_file(str(tiny_qwen / "model.safetensors")),
+        tmp_path / "w",
+        config=tiny_qwen / "config.json",
+    )
+
+    async def go() -> None:
+        await server.start()
+        assert server.pid is not None
+        [core] = [
+            pid
+            for pid in group_members(server.pid)
+            if (Path("/proc") / str(pid) / "comm").read_text().startswith("VLLM::EngineCor")
+        ]
+        policy = VLLMPolicy([server.url], tok, max_context_tokens=CONTEXT, read_timeout_s=600)
+        async with policy:
+            os.kill(core, signal.SIGSTOP)
+            sync = asyncio.create_task(policy.update_weights(weights, 1, mode="wait"))
+            await asyncio.sleep(3.0)  # /pause is sent, and unanswered while the core is stopped
+            assert not sync.done()
+            os.kill(core, signal.SIGKILL)
+            with pytest.raises(VLLMServerError, match=r"/health .*while /pause was in flight"):
+                await asyncio.wait_for(sync, 120)  # only catches a hang
+            assert policy.version == 0
+
+    try:
+        asyncio.run(go())
+    finally:
+        server.stop()
+
+
 def test_a_failed_reload_is_reported_and_stop_leaves_no_process(
     tiny_qwen: Path, tmp_path: Path
 ) -> None:

@@ -217,7 +217,13 @@ def test_a_dead_server_is_restarted_once_and_a_second_death_stops_the_run(
         assert new_leader != leader and new_core != core
         killed_at = time.monotonic()
         os.kill(new_core, signal.SIGKILL)
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            log = (run_dir / "vllm-0.log").read_text()[-4000:]
+            pytest.fail(
+                f"the run goes on 60 s after the second death:\n{output.read_text()}\n{log}"
+            )
     finally:
         if proc.poll() is None:  # stop it as a user would, so that it stops its server
             proc.send_signal(signal.SIGINT)
