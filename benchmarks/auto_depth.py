@@ -1,18 +1,21 @@
-"""`coordinator.pipeline_depth: auto` against the best fixed depth, on the sim's virtual clock.
+"""`auto` (`coordinator.pipeline_depth: auto` and `rollout.max_concurrency: auto`) against the
+best fixed setting, on the sim's virtual clock.
 
-For each workload (W1-W4 stationary, D1-D2 drifting), each hard bound (none, and each K) and each
+For each workload (W1-W4 stationary, D1-D3 drifting), each hard bound (none, and each K) and each
 seed: the simulated time and steady waste (wasted / generated tokens, the run's last step left
-out: it holds what the run's end cancelled) of every fixed depth the bound allows and of `auto`.
-Prints one JSON line: per workload and bound, per seed the times, wastes, the best fixed depth and
-`auto_vs_best` = best fixed time / auto time (above 1: auto is faster); and their mean and minimum.
+out: it holds what the run's end cancelled) of every fixed setting and of `auto`. A fixed setting
+is a depth the bound allows (`d`), at the workload's own `max_concurrency`, or at each of
+`--concurrencies` (`d@c`). Prints one JSON line: per workload and bound, per seed the times,
+wastes, the best fixed setting and `auto_vs_best` = best fixed time / auto time (above 1: auto is
+faster); and their mean and minimum.
 
 Usage: python benchmarks/auto_depth.py [--steps 60] [--seeds 0 1 2] [--bounds none 8 4] [--jobs 2]
-[--reuse OLD.json]: the fixed depths' figures from an earlier output of the same cells (only `auto`
-runs again; a fixed depth's run does not depend on the controller).
+[--concurrencies 512 1024 2048] [--reuse OLD.json]: the fixed settings' figures from an earlier
+output of the same cells (only `auto` runs again; a fixed setting's run has no controller).
 
 `--phases`: also, for each drifting workload, its start and its end as stationary workloads (seed
-0): each fixed depth's time on both, and `switch_bound` = the best fixed depth's time over the two
-/ the sum of each one's best time: the most that choosing the depth per phase could gain.
+0): each fixed setting's time on both, and `switch_bound` = the best fixed setting's time over the
+two / the sum of each one's best time: the most that choosing the setting per phase could gain.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from itertools import product
 
 from rllm_async.plan.simulate import run_workload
 
-Cell = tuple[str, str, int, str, int]  # workload, bound, seed, depth, steps
+Cell = tuple[str, str, int, str, int]  # workload, bound, seed, setting, steps
 
 # A drifting workload frozen at its start (no drift) and at its end (the drifted values from the
 # first version on).
@@ -40,7 +43,8 @@ PHASES = {
 
 
 def _one(cell: Cell, more: tuple[str, ...] = ()) -> tuple[float, float]:
-    workload, bound, seed, depth, steps = cell
+    workload, bound, seed, setting, steps = cell
+    depth, _, concurrency = setting.partition("@")
     overrides = [
         *more,
         "mode=async",
@@ -49,13 +53,20 @@ def _one(cell: Cell, more: tuple[str, ...] = ()) -> tuple[float, float]:
         f"train.total_steps={steps}",
         f"seed={seed}",
     ]
+    if setting == "auto":
+        overrides.append("rollout.max_concurrency=auto")
+    elif concurrency:
+        overrides.append(f"rollout.max_concurrency={concurrency}")
     figures = run_workload(workload, overrides)
     return float(figures["time_s"]), float(figures["waste_steady"])
 
 
-def _depths(depths: list[str], bound: str) -> list[str]:
-    """The fixed depths a hard bound allows (d <= K)."""
-    return [d for d in depths if bound == "none" or int(d) <= int(bound)]
+def _settings(args: argparse.Namespace, bound: str) -> list[str]:
+    """The fixed settings a hard bound allows (d <= K): each depth, at each concurrency."""
+    depths = [d for d in args.depths if bound == "none" or int(d) <= int(bound)]
+    if not args.concurrencies:
+        return depths
+    return [f"{d}@{c}" for d in depths for c in args.concurrencies]
 
 
 def main() -> None:
@@ -64,9 +75,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--depths", nargs="+", default=["1", "2", "4", "8"])
     parser.add_argument("--bounds", nargs="+", default=["none", "8", "4"])
-    parser.add_argument("--workloads", nargs="+", default=["W1", "W2", "W3", "W4", "D1", "D2"])
+    parser.add_argument(
+        "--concurrencies", nargs="+", default=[], help="max_concurrency values (default: own)"
+    )
+    parser.add_argument(
+        "--workloads", nargs="+", default=["W1", "W2", "W3", "W4", "D1", "D2", "D3"]
+    )
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--reuse", default=None, help="an earlier output: its fixed-depth figures")
+    parser.add_argument("--reuse", default=None, help="an earlier output: its fixed figures")
     parser.add_argument("--phases", action="store_true", help="drifting workloads' start and end")
     args = parser.parse_args()
     results: dict[Cell, tuple[float, float]] = {}
@@ -77,13 +93,13 @@ def main() -> None:
             parser.error(f"--reuse {args.reuse} ran {old['steps']} steps, not {args.steps}")
         for w, b in product(args.workloads, args.bounds):
             for p in old.get(f"{w}_K{b}", {}).get("seeds", []):
-                for d in _depths(args.depths, b):
+                for d in _settings(args, b):
                     if d in p["time_s"]:
                         results[(w, b, p["seed"], d, args.steps)] = (p["time_s"][d], p["waste"][d])
     cells = [
         (w, b, s, d, args.steps)
         for w, b, s in product(args.workloads, args.bounds, args.seeds)
-        for d in [*_depths(args.depths, b), "auto"]
+        for d in [*_settings(args, b), "auto"]
         if (w, b, s, d, args.steps) not in results
     ]
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -91,7 +107,7 @@ def main() -> None:
         phases = _phases(args, pool) if args.phases else None
     out: dict[str, object] = {"steps": args.steps, "seeds": args.seeds}
     for w, b in product(args.workloads, args.bounds):
-        settings = [*_depths(args.depths, b), "auto"]
+        settings = [*_settings(args, b), "auto"]
         per_seed = []
         for s in args.seeds:
             figures = {d: results[(w, b, s, d, args.steps)] for d in settings}
@@ -102,7 +118,7 @@ def main() -> None:
                     "seed": s,
                     "time_s": {d: round(t, 1) for d, (t, _) in figures.items()},
                     "waste": {d: round(x, 4) for d, (_, x) in figures.items()},
-                    "best_fixed": int(best),
+                    "best_fixed": best,
                     "auto_vs_best": round(fixed[best] / figures["auto"][0], 4),
                 }
             )
@@ -118,19 +134,19 @@ def main() -> None:
 
 
 def _phases(args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict[str, object]:
-    """Each drifting workload's start and end, stationary, at each fixed depth (seed 0)."""
+    """Each drifting workload's start and end, stationary, at each fixed setting (seed 0)."""
     drifting = [w for w in args.workloads if w.startswith("D")]
     runs = [
         ((w, b, 0, d, args.steps), PHASES[phase])
         for w, b, phase in product(drifting, args.bounds, PHASES)
-        for d in _depths(args.depths, b)
+        for d in _settings(args, b)
     ]
     times = iter([t for t, _ in pool.map(_one, *zip(*runs, strict=True))])
     out: dict[str, object] = {}
     for w, b in product(drifting, args.bounds):
-        depths = _depths(args.depths, b)
-        t = {phase: {d: next(times) for d in depths} for phase in PHASES}
-        both = min(t["start"][d] + t["end"][d] for d in depths)
+        settings = _settings(args, b)
+        t = {phase: {d: next(times) for d in settings} for phase in PHASES}
+        both = min(t["start"][d] + t["end"][d] for d in settings)
         each = min(t["start"].values()) + min(t["end"].values())
         out[f"{w}_K{b}"] = {
             **{phase: {d: round(x, 1) for d, x in t[phase].items()} for phase in PHASES},

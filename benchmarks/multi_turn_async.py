@@ -12,7 +12,8 @@ slow tool or simulator would. The same config trains once with `mode: sync` and 
 - curve_sync / curve_async: [elapsed_s, reward] per step, for plotting.
 
 `--modes A B` compares any two of `sync`, `async` (d = 2, K = 2), `shipped` (the config's own
-d = 1, K = 2) and `auto` (`pipeline_depth: auto`), the keys named after them;
+d = 1, K = 2), `auto` (`pipeline_depth: auto`) and `auto_all` (that and `rollout.max_concurrency:
+auto`), the keys named after them;
 speedup_to_target is A's time / B's. `--seed N` sets the run's seed.
 
 Usage: python benchmarks/multi_turn_async.py [--steps 150] [--latency-ms 50] [--target R]
@@ -39,6 +40,7 @@ MODES = {
     "async": ["mode=async", "coordinator.pipeline_depth=2", "coordinator.max_staleness=2"],
     "shipped": [],
     "auto": ["coordinator.pipeline_depth=auto"],
+    "auto_all": ["coordinator.pipeline_depth=auto", "rollout.max_concurrency=auto"],
 }
 
 

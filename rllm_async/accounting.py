@@ -56,9 +56,14 @@ class Accounting:
         """A rollout attempt was retried or failed (`run_rollout`'s report)."""
         self.record.add_generation(metrics)
 
-    def on_rollout(self, meter: RolloutMeter, rollout: Rollout) -> None:
+    def on_rollout(
+        self, meter: RolloutMeter, rollout: Rollout, timing: Mapping[str, float] | None = None
+    ) -> None:
         """A rollout ended: with an episode, or failed after its retries, for its infrastructure
-        or not (which may trip the failure-rate breaker)."""
+        or not (which may trip the failure-rate breaker); `timing`: its seconds in model calls
+        and in all (`ModelClock`), where `rollout.max_concurrency: auto` measures them."""
+        if timing is not None:
+            self.record.add(timing)
         episode = rollout.episode
         self.workload.finished(meter, episode)
         if episode is None:

@@ -86,7 +86,8 @@ class RolloutConfig(_Section):
     timeout_s: float = Field(default=300.0, gt=0.0)
     retries: int = Field(default=1, ge=0)
     min_group_size: int = Field(default=2, ge=1)
-    max_concurrency: int = Field(default=256, ge=1)
+    # auto: as many as keep the engine's decode slots full (concurrency_controller.py).
+    max_concurrency: Annotated[int, Field(ge=1)] | Literal["auto"] = 256
     # Under coordinator.max_staleness, this share of max_concurrency while a running rollout has
     # used more than half of the bound (the late ones decode faster); null: a fixed limit.
     late_concurrency: float | None = Field(default=0.5, gt=0.0, le=1.0)

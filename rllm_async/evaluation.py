@@ -9,6 +9,7 @@ from typing import Any
 
 from rllm_async import checkpoint
 from rllm_async.callbacks import Callback
+from rllm_async.concurrency_controller import starting_concurrency
 from rllm_async.config import Config
 from rllm_async.data import load_tasks
 from rllm_async.metrics import MetricsAggregator
@@ -20,8 +21,9 @@ from rllm_async.workflows.base import Workflow
 
 
 class Evaluator:
-    """Runs every eval task once on one pinned policy version and reduces the episodes into
-    `eval/*` metrics; callbacks hear of each evaluation."""
+    """Runs every eval task once on one pinned policy version, `max_concurrency` rollouts at once
+    (`starting_concurrency`), and reduces the episodes into `eval/*` metrics; callbacks hear of
+    each evaluation."""
 
     def __init__(
         self,
@@ -29,8 +31,10 @@ class Evaluator:
         workflow: Workflow,
         tasks: list[dict[str, Any]],
         callbacks: list[Callback],
+        max_concurrency: int,
     ) -> None:
         self.config = config
+        self.max_concurrency = max_concurrency
         self.workflow = workflow
         self.tasks = tasks
         self.callbacks = callbacks
@@ -59,7 +63,7 @@ class Evaluator:
         )
         owned = version is None
         pinned = policy.acquire() if version is None else version
-        slots = asyncio.Semaphore(cfg.rollout.max_concurrency)
+        slots = asyncio.Semaphore(self.max_concurrency)
 
         async def one(task: dict[str, Any]) -> Rollout:
             async with slots:
@@ -201,7 +205,8 @@ async def evaluate_checkpoint(config: Config, path: Path, backend: Backend) -> d
         await workflow.start(backend.policy())
         await checkpoint.load(path, backend)
         # No weight sync pauses a checkpoint's evaluation.
-        return await Evaluator(config, workflow, tasks, []).evaluate(backend.policy(), SyncPause())
+        evaluator = Evaluator(config, workflow, tasks, [], starting_concurrency(config, backend))
+        return await evaluator.evaluate(backend.policy(), SyncPause())
     finally:
         try:
             await workflow.close()

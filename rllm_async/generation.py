@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Mapping
 
 from rllm_async.accounting import Accounting
 from rllm_async.buffer import Dispatch, TrajectoryGroupBuffer
+from rllm_async.concurrency_controller import ConcurrencyChange, ConcurrencyController, ModelClock
 from rllm_async.config import Config
 from rllm_async.coordinator import SyncCoordinator
 from rllm_async.data import TaskSource
@@ -32,7 +34,10 @@ class Generation:
         buffer: TrajectoryGroupBuffer,
         source: TaskSource,
         accounting: Accounting,
+        max_concurrency: int,
     ) -> None:
+        """`max_concurrency`: the rollout limit to start with (`starting_concurrency`), which
+        `rollout.max_concurrency: auto` moves from there (`observe_step`)."""
         self.config, self.workflow, self.policy = config, workflow, policy
         self.coordinator, self.buffer, self.source = coordinator, buffer, source
         self.accounting = accounting
@@ -42,8 +47,11 @@ class Generation:
             max_tokens=config.rollout.max_tokens,
         )
         self.parser = configured_parser(config, policy)
-        self.slots = RolloutSlots(
-            config.rollout.max_concurrency, config.rollout.late_concurrency, coordinator
+        self.slots = RolloutSlots(max_concurrency, config.rollout.late_concurrency, coordinator)
+        self.concurrency = (
+            ConcurrencyController(max_concurrency)
+            if config.rollout.max_concurrency == "auto"
+            else None
         )
         self.pin = config.coordinator.weight_update == "pin"
         self.dispatch_ids = itertools.count()
@@ -73,13 +81,24 @@ class Generation:
                 await asyncio.sleep(0)
         self.buffer.close()
 
+    def observe_step(self, record: Mapping[str, float]) -> ConcurrencyChange | None:
+        """Show a step's record to the concurrency controller (`rollout.max_concurrency: auto`);
+        its change, if it made one (the rollout limit follows it at once)."""
+        if self.concurrency is None:
+            return None
+        change = self.concurrency.observe(record)
+        if change is not None:
+            self.slots.set_max_concurrency(change.new)
+        return change
+
     async def _rollout(self, dispatch: Dispatch, index: int, kept: KeptGroup | None) -> None:
         """One rollout of a dispatched group, into the buffer; the group's end when it completes
         (`kept`: the group as the workload record keeps it, if it does)."""
         ro, accounting = self.config.rollout, self.accounting
         start = await self.slots.acquire()
+        meter = accounting.rollout_meter(kept)
+        timed = None if self.concurrency is None else ModelClock(meter, asyncio.get_running_loop())
         try:
-            meter = accounting.rollout_meter(kept)
             rollout = await run_rollout(
                 self.workflow,
                 dispatch.task,
@@ -92,10 +111,10 @@ class Generation:
                 report=accounting.on_attempt,
                 rollout_index=index,
                 parser=self.parser,
-                meter=meter,
+                meter=meter if timed is None else timed,
             )
         finally:
             self.slots.release(start)
-        accounting.on_rollout(meter, rollout)
+        accounting.on_rollout(meter, rollout, None if timed is None else timed.metrics())
         if self.buffer.add(dispatch.id, index, rollout.episode, rollout.infra_failed):
             accounting.on_group(dispatch, kept, await self.buffer.complete(dispatch.id))

@@ -16,18 +16,27 @@ class RolloutSlots:
     The limit is `max_concurrency`, or `late_share * max_concurrency` while the oldest running
     rollout's staleness exceeds `max_staleness // 2` (no new rollout starts until enough have
     finished). A decoding engine shares its rate over the sequences it runs, so fewer of them
-    decode faster; without a bound, or with `late_share` None, the limit is fixed.
+    decode faster; without a bound, or with `late_share` None, the limit is `max_concurrency`,
+    which `rollout.max_concurrency: auto` moves (`set_max_concurrency`).
     """
 
     def __init__(
         self, max_concurrency: int, late_share: float | None, coordinator: SyncCoordinator
     ) -> None:
-        self.max_concurrency = max_concurrency
-        self.late_limit = max(1, int(max_concurrency * late_share)) if late_share else None
+        self.late_share = late_share
         self.coordinator = coordinator
         self.running = 0  # the coordinator is told when this leaves or reaches 0
         self._starts: dict[int, int] = {}  # running rollouts by the policy version they began at
         self._waiters: deque[asyncio.Future[int]] = deque()
+        self.set_max_concurrency(max_concurrency)
+
+    def set_max_concurrency(self, max_concurrency: int) -> None:
+        """Run up to `max_concurrency` rollouts from now on (`rollout.max_concurrency: auto`);
+        those waiting start at once where the limit rose."""
+        share = self.late_share
+        self.max_concurrency = max_concurrency
+        self.late_limit = max(1, int(max_concurrency * share)) if share else None
+        self._start_waiting()
 
     def limit(self) -> int:
         """How many rollouts may run now."""
@@ -60,6 +69,9 @@ class RolloutSlots:
             self._starts[start] = left
         else:
             del self._starts[start]
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
         while self._waiters and self.running < self.limit():
             slot = self._waiters.popleft()
             if not slot.done():

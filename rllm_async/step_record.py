@@ -40,6 +40,8 @@ REDUCTIONS: dict[str, Reduce] = {
     "episode/correct": "mean",
     "tokens/generated": "sum",
     "tokens/wasted": "sum",
+    "rollout/model_s": "sum",  # rollout.max_concurrency: auto
+    "rollout/wall_s": "sum",
     # each completed or ended group
     "groups/solve_all": "sum",
     "groups/solve_none": "sum",
@@ -76,6 +78,7 @@ REDUCTIONS: dict[str, Reduce] = {
     "data/epoch": "last",
     "train/groups": "last",
     "coordinator/pipeline_depth": "last",  # pipeline_depth: auto
+    "rollout/max_concurrency": "last",  # rollout.max_concurrency: auto
 }
 # Metrics whose names the backend or the evaluation choose, reduced as a whole.
 FORWARD_BACKWARD: Reduce = "mean"  # a backend's, once per micro-batch

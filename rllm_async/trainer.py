@@ -23,6 +23,7 @@ from rllm_async.backends import get_backend_factory
 from rllm_async.buffer import ReadyGroup, TrajectoryGroupBuffer
 from rllm_async.callbacks import Callback
 from rllm_async.checkpoint import CheckpointState
+from rllm_async.concurrency_controller import starting_concurrency
 from rllm_async.config import Config, ConfigError
 from rllm_async.coordinator import GroupState, SyncCoordinator
 from rllm_async.data import TaskSource, load_tasks
@@ -95,6 +96,7 @@ class UnifiedTrainer:
                 "sampler, or use backend.name: local"
             )
         self.backend = backend
+        self.max_concurrency = starting_concurrency(config, backend)
         self.coordinator = SyncCoordinator(
             config.coordinator,
             config.train.groups_per_step,
@@ -181,16 +183,18 @@ class UnifiedTrainer:
             on_epoch_end=lambda epoch: _notify(callbacks, "on_epoch_end", epoch),
         )
         policy = self.backend.policy()
-        evaluator = Evaluator(cfg, self.workflow, self.eval_tasks, callbacks)
+        evaluator = Evaluator(cfg, self.workflow, self.eval_tasks, callbacks, self.max_concurrency)
         evals = EvalSchedule(evaluator, cfg, policy, coord.pause)
         resume_from = checkpoint.resume_path(cfg.checkpoint.resume, cfg.run_path)
         initial = checkpoint.read_state(resume_from).version if resume_from else 0
         record = StepRecord.from_config(cfg, coord.snapshot(), now, initial)
-        meta = _workload_meta(cfg, self.virtual_clock)
+        meta = _workload_meta(cfg, self.virtual_clock, self.max_concurrency)
         workload = WorkloadRecorder(meta, clock=loop.time, start=now, seed=cfg.seed)
         reductions = self.workflow.metric_reductions
         accounting = Accounting(cfg, record, workload, source, reductions)
-        generation = Generation(cfg, self.workflow, policy, coord, buffer, source, accounting)
+        generation = Generation(
+            cfg, self.workflow, policy, coord, buffer, source, accounting, self.max_concurrency
+        )
         return _Fit(
             cfg,
             self.workflow,
@@ -456,8 +460,11 @@ class _Fit:
             record.add(finished[0], EVALUATION)
         if coord.controller is not None:
             record.add({"coordinator/pipeline_depth": coord.controller.depth})
+        if self.generation.concurrency is not None:
+            record.add({"rollout/max_concurrency": self.generation.concurrency.limit})
         flushed = record.flush(step)
         change = coord.observe_step(flushed)
+        concurrency = self.generation.observe_step(flushed)
         self.recorded = step
         for cb in self.callbacks:
             cb.on_step_end(step, flushed)
@@ -466,8 +473,10 @@ class _Fit:
         if (ck.every_steps and step % ck.every_steps == 0) or (last and ck.at_end):
             await self._save_checkpoint()
         record.next_step(loop.time())
-        if change is not None:  # made after this step's record: the next one says why
-            record.add(change.metrics(), "last")
+        # Changes made after this step's record: the next one says why.
+        for made in (change, concurrency):
+            if made is not None:
+                record.add(made.metrics(), "last")
 
     async def _close_after_data_end(self) -> None:
         """The data ran out after the last step's record was written: groups that ended since
@@ -539,8 +548,9 @@ class _Fit:
         self.checkpointed = version
 
 
-def _workload_meta(config: Config, virtual_clock: bool) -> dict[str, Any]:
-    """The settings a recorded workload was run under, for `rllm-async plan`."""
+def _workload_meta(config: Config, virtual_clock: bool, max_concurrency: int) -> dict[str, Any]:
+    """The settings a recorded workload was run under, for `rllm-async plan` (`max_concurrency`:
+    the rollout limit it started with, which `auto` moved from there)."""
     co, ro, tr = config.coordinator, config.rollout, config.train
     return {
         "backend": config.backend.name,
@@ -553,7 +563,7 @@ def _workload_meta(config: Config, virtual_clock: bool) -> dict[str, Any]:
         "groups_per_step": tr.groups_per_step,
         "micro_batch_groups": tr.micro_batch_groups,
         "group_size": ro.group_size,
-        "max_concurrency": ro.max_concurrency,
+        "max_concurrency": max_concurrency,
         "late_concurrency": ro.late_concurrency,
         "max_tokens": ro.max_tokens,
     }

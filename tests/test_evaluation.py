@@ -47,7 +47,7 @@ def _config(tmp_path: Path, **eval_keys: Any) -> Config:
 def test_every_task_is_scored_once_on_one_pinned_version(tmp_path: Path) -> None:
     policy, heard = FakePolicy(), Heard()
     policy.version = 2
-    evaluator = Evaluator(_config(tmp_path), Judged(), tasks(5), [heard])
+    evaluator = Evaluator(_config(tmp_path), Judged(), tasks(5), [heard], 256)
     out = run(evaluator.evaluate(policy, SyncPause()), virtual=True)
     assert out["eval/policy_version"] == 2 and out["eval/n"] == 5 and out["eval/failed"] == 0
     assert out["eval/reward/mean"] == 0.4 and out["eval/accuracy"] == 0.4
@@ -63,7 +63,7 @@ def test_failed_rollouts_are_counted_and_left_out_of_the_means(tmp_path: Path) -
         reward=lambda task, i, a: 1.0,
         fault=lambda task, i, a: "raise" if task["id"] == "t1" else None,
     )
-    evaluator = Evaluator(_config(tmp_path), failing, tasks(4), [])
+    evaluator = Evaluator(_config(tmp_path), failing, tasks(4), [], 256)
     out = run(evaluator.evaluate(FakePolicy(), SyncPause()), virtual=True)
     assert out["eval/n"] == 3 and out["eval/failed"] == 1, "no retry in an evaluation"
     assert out["eval/reward/mean"] == 1.0
@@ -77,7 +77,7 @@ def test_an_evaluation_beside_training_lets_rollouts_go_first_on_the_version_giv
     policy.version = 3
     pinned = policy.acquire()
     policy.version = 4  # training moved on
-    evaluator = Evaluator(_config(tmp_path), Judged(), tasks(2), [])
+    evaluator = Evaluator(_config(tmp_path), Judged(), tasks(2), [], 256)
     out = run(
         evaluator.evaluate(policy, SyncPause(), background=True, version=pinned), virtual=True
     )
@@ -88,7 +88,7 @@ def test_an_evaluation_beside_training_lets_rollouts_go_first_on_the_version_giv
 
 def test_without_eval_tasks_nothing_is_scored_or_scheduled(tmp_path: Path) -> None:
     policy = FakePolicy()
-    evaluator = Evaluator(_config(tmp_path), Judged(), [], [])
+    evaluator = Evaluator(_config(tmp_path), Judged(), [], [], 256)
     assert run(evaluator.evaluate(policy, SyncPause()), virtual=True) == {}
     schedule = EvalSchedule(evaluator, _config(tmp_path), policy, SyncPause())
     assert not schedule.enabled
@@ -107,7 +107,7 @@ def test_evaluations_run_beside_the_steps_one_at_a_time_the_waiting_one_replaced
     for it, step 3's replaces it and step 4's replaces that; the last step waits for them and runs
     the final one."""
     policy = FakePolicy(latency=lambda: 10.0)
-    evaluator = Evaluator(_config(tmp_path), Judged(), tasks(2), [])
+    evaluator = Evaluator(_config(tmp_path), Judged(), tasks(2), [], 256)
     schedule = EvalSchedule(evaluator, _config(tmp_path), policy, SyncPause())
 
     async def steps() -> list[list[dict[str, float]]]:

@@ -43,7 +43,10 @@ def _generate(
         record = StepRecord(MetricsAggregator(), coord.snapshot(), now)
         workload = WorkloadRecorder({}, clock=loop.time, start=now)
         accounting = Accounting(config, record, workload, source, workflow.metric_reductions)
-        generation = Generation(config, workflow, FakePolicy(), coord, buffer, source, accounting)
+        limit = config.rollout.max_concurrency
+        assert limit != "auto"
+        policy = FakePolicy()
+        generation = Generation(config, workflow, policy, coord, buffer, source, accounting, limit)
         consumed = []
         async with asyncio.TaskGroup() as scope:
             scope.create_task(generation.run())

@@ -449,7 +449,7 @@ def test_an_evaluation_counts_infra_failures_and_leaves_them_out_of_its_means(tm
 
     workflow = SandboxWorkflow(lambda task, i, attempt: task["id"] in ("t1", "t2"))
     cfg = make_config(tmp_path, eval={"every_steps": 1})
-    evaluator = Evaluator(cfg, workflow, tasks(5), [])
+    evaluator = Evaluator(cfg, workflow, tasks(5), [], 256)
     out = run(evaluator.evaluate(FakePolicy(), SyncPause()), virtual=True)
     assert out["eval/n"] == 3 and out["eval/failed"] == 2 and out["eval/infra_failed"] == 2
     assert out["eval/reward/mean"] == 0.0  # rollout 0 of each task scores 0; the dead are not 0s

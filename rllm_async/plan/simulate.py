@@ -55,7 +55,7 @@ def run_config(
     staleness = [step - group[5] for step, groups in enumerate(backend.trained) for group in groups]
     trained_tokens = sum(sum(group[4]) for groups in backend.trained for group in groups)
     opts = backend.opts
-    full_rate = ps_rate(min(opts.slots, config.rollout.max_concurrency), opts.rmax, opts.n_half)
+    full_rate = ps_rate(min(opts.slots, trainer.max_concurrency), opts.rmax, opts.n_half)
     learner_s = trained_tokens / backend.train_rate
     if opts.train_drift_steps and opts.train_growth != 1.0:  # seconds per token drift by step
         learner_s = sum(

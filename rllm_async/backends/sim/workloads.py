@@ -1,4 +1,4 @@
-"""The benchmark workloads of the sim backend, as configs: W1-W4 stationary, D1-D2 drifting."""
+"""The benchmark workloads of the sim backend, as configs: W1-W4 stationary, D1-D3 drifting."""
 
 from __future__ import annotations
 
@@ -78,6 +78,9 @@ DRIFTING_WORKLOADS: dict[str, dict[str, Any]] = {
         drift={"drift_steps": 60, "tool_s": 5.0, "tool_growth": 12.0},
         backend_drift={"train_drift_steps": 60, "train_growth": 0.5},
     ),
+    # D3: an agent: reasoning whose tool call after each reply goes from 5 s to 60 s over the
+    # same 60 steps. Generation-bound, with ever fewer of its rollouts in the engine at once.
+    "D3": _workload(drift={"drift_steps": 60, "tool_s": 5.0, "tool_growth": 12.0}),
 }
 
 

@@ -86,7 +86,7 @@ def test_learner_seconds_per_token_drift_by_optimizer_step() -> None:
 def test_drifting_workloads_build_and_simulate_slower_than_their_start() -> None:
     from rllm_async.plan.simulate import run_workload
 
-    assert set(DRIFTING_WORKLOADS) == {"D1", "D2"}
+    assert set(DRIFTING_WORKLOADS) == {"D1", "D2", "D3"}
     for name in DRIFTING_WORKLOADS:
         config = workload_config(name)
         SimBackend.from_config(config)
