@@ -24,6 +24,22 @@ def make_server(model: Path, log_dir: Path, index: int, **kwargs: Any) -> VLLMSe
     )
 
 
+def engine_core(server: VLLMServer) -> int:
+    """The pid of `server`'s engine core, a process of its group."""
+    assert server.pid is not None
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            comm = (stat.parent / "comm").read_text()
+        except OSError:  # it ended while we looked
+            continue
+        if int(fields[2]) == server.pid and comm.startswith("VLLM::EngineCor"):
+            found.append(int(stat.parent.name))
+    [core] = found
+    return core
+
+
 class Reference:
     """A float32 `transformers` forward pass of a checkpoint, loaded once for many completions."""
 

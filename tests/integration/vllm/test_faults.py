@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from served import CONTEXT, make_server
+from served import CONTEXT, engine_core, make_server
 
 from rllm_async.backends.hf_tokenizer import load_tokenizer
 from rllm_async.engines.vllm import VLLMPolicy, VLLMServerError, check_weights, write_weights
@@ -104,12 +104,7 @@ def test_a_sync_in_flight_when_the_engine_dies_fails_without_waiting_for_its_tim
 
     async def go() -> None:
         await server.start()
-        assert server.pid is not None
-        [core] = [
-            pid
-            for pid in group_members(server.pid)
-            if (Path("/proc") / str(pid) / "comm").read_text().startswith("VLLM::EngineCor")
-        ]
+        core = engine_core(server)
         policy = VLLMPolicy([server.url], tok, max_context_tokens=CONTEXT, read_timeout_s=600)
         async with policy:
             os.kill(core, signal.SIGSTOP)

@@ -119,7 +119,7 @@ def test_a_sync_during_requests_labels_every_token_with_its_version(
             assert max_gap(by_version[0], by_version[1]) > 100 * TOLERANCE  # told apart
 
     async def go() -> None:
-        for tries in (1, 2):
+        for tries in (1, 2, 3):
             outs, resent = await attempt()
             for out in outs:
                 assert set(out.versions) <= {0, 1}
@@ -128,7 +128,7 @@ def test_a_sync_during_requests_labels_every_token_with_its_version(
                 assert out.finish_reason == "stop" or len(out.ids) == LONG.max_tokens
             check_versions(outs)
             spans = [(out.versions.count(0), out.versions.count(1)) for out in outs]
-            if mode == "keep" and not any(old and new for old, new in spans) and tries == 1:
+            if mode == "keep" and not any(old and new for old, new in spans) and tries < 3:
                 # On a loaded machine the pause reached the engine after every request ended.
                 await policy.update_weights(weights["old"], 0, mode="wait")
                 continue
