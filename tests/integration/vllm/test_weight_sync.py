@@ -151,19 +151,24 @@ def len_of(out: Completion) -> int:
 def test_a_keep_sync_with_seeded_requests_in_flight_waits_instead(
     policy: VLLMPolicy, weights: dict[str, Path]
 ) -> None:
+    """Seeded requests in flight (each its own seed, so that their lengths differ and some run
+    long, however fast the machine): a `keep` sync runs as `wait`."""
     prompt = prompt_of(policy)
 
     async def go() -> None:
-        seeded = LONG.updated(seed=5)
         await policy.generate(prompt, GREEDY)  # warm: the requests below start at once
-        running = [asyncio.create_task(policy.generate(prompt, seeded)) for _ in range(4)]
-        await asyncio.sleep(0.5)
+        running = [
+            asyncio.create_task(policy.generate(prompt, LONG.updated(seed=seed)))
+            for seed in range(16)
+        ]
+        await wait_generating(policy.urls[0], tokens=16 * 4)
+        assert not all(task.done() for task in running)  # a seeded request is in flight
         sync = await policy.update_weights(weights["new"], 1, mode="keep")
         assert sync.mode == "wait"
         outs = await asyncio.gather(*running)
         # Each request ran wholly before the reload, or (queued at the pause) wholly after it.
         assert all(len(set(out.versions)) == 1 for out in outs)
-        after = await policy.generate(prompt, seeded)
+        after = await policy.generate(prompt, LONG.updated(seed=5))
         assert set(after.versions) == {1}
 
     asyncio.run(go())
