@@ -10,7 +10,8 @@ its policy version was published; evaluations run beside training in both modes,
 shows as slower steps, and `eval_lag_s` is how long after that time they landed on average.
 Prints one JSON line.
 
-`--modes async auto` compares the config as it is with `coordinator.pipeline_depth: auto`;
+`--modes async auto` compares the config as it is with `coordinator.pipeline_depth: auto`
+(`auto_all`: that and `rollout.max_concurrency: auto`);
 `speedup_seed<N>` is always the first mode's time over the second's.
 
 Usage: python benchmarks/time_to_reward.py [--config examples/countdown/local_async.yaml]
@@ -31,6 +32,8 @@ MODES = {
     "sync": ["mode=sync", "coordinator.pipeline_depth=0", "coordinator.max_staleness=0"],
     "async": ["mode=async"],
     "auto": ["mode=async", "coordinator.pipeline_depth=auto"],  # the depth controller
+    # and the concurrency controller
+    "auto_all": ["mode=async", "coordinator.pipeline_depth=auto", "rollout.max_concurrency=auto"],
 }
 
 

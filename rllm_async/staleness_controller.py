@@ -24,7 +24,9 @@ judgment, and moves at most once:
    move down. Hung rollouts are left out: they hold their groups past the bound at any depth,
    and a deeper pipeline keeps the others flowing around them;
 4. the trainer idle above `target_idle`: up, doubling while it idles over four times the target,
-   else by one (`trainer_idle`);
+   else by one (`trainer_idle`), but not to where the judged steps predict a budget exceeded:
+   each depth deeper adds about one version to the consumed groups' staleness, and the sampler
+   KL grows in proportion to the staleness;
 5. the trainer busy (idle under half the target) while generation idles above
    `auto.generation_idle` (generation waits for admission): one lower, for less staleness at no
    cost in throughput (`generation_idle`).
@@ -300,10 +302,32 @@ class DepthController:
             return DepthChange(d, d - 1, "over_bound")
         if w.idle > c.target_idle:
             new = min(self.cap, d + max(1, d) if w.idle > 4 * c.target_idle else d + 1)
+            new = self._within_budgets(w, new)
             return DepthChange(d, new, "trainer_idle") if new > d else None
         if w.idle < c.target_idle / 2 and w.generation_idle > c.generation_idle and d > self.floor:
             return DepthChange(d, d - 1, "generation_idle")
         return None
+
+    def _within_budgets(self, w: _Totals, new: int) -> int:
+        """The deepest depth up to `new` whose consumed groups' staleness, and the sampler KL
+        that grows with it, the judged steps predict within `max_mean_staleness` and
+        `max_sampler_kl`: each depth deeper adds about one version to the staleness of what the
+        trainer takes, and the KL grows in proportion to it."""
+        c, d = self.config, self.depth
+        if not w.staleness_steps:
+            return new
+        staleness = w.staleness / w.staleness_steps
+        kl = w.sampler_kl / w.trained if w.trained else 0.0
+        while new > d:
+            predicted = staleness + new - d
+            if (c.max_mean_staleness is None or predicted <= c.max_mean_staleness) and (
+                c.max_sampler_kl is None
+                or staleness <= 0
+                or kl * predicted / staleness <= c.max_sampler_kl
+            ):
+                break
+            new -= 1
+        return new
 
     def _over_budget(self, w: _Totals) -> str | None:
         """The first budget the judged steps exceed (`waste`, `dropped`, `staleness`,

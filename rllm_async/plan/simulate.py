@@ -23,6 +23,7 @@ QUIET = [
     # The calibration of T_gen(sync) assumes every group trains, so no filtering.
     "algorithm.filter_zero_variance=false",
 ]
+KL_WINDOW = 10  # steps over which `sampler_kl_peak` averages: a budget kept step by step, not once
 
 
 def run_workload(workload: str, overrides: list[str]) -> dict[str, Any]:
@@ -79,6 +80,10 @@ def run_config(
         "violations": sum(s > k for s in staleness) if k is not None else 0,
         "trainer_idle_ratio": idle / sum(r["time/step_s"] for r in records),
         "dropped_stale": sum(r["groups/dropped_stale"] for r in records),
+        "sampler_kl": _sampler_kl(records),
+        "sampler_kl_peak": max(
+            (_sampler_kl(records[i : i + KL_WINDOW]) for i in range(len(records))), default=0.0
+        ),
     }
 
 
@@ -87,6 +92,13 @@ def _waste(records: list[dict[str, float]]) -> float:
     last holds the groups the run's end cancelled)."""
     generated = sum(r.get("tokens/generated", 0.0) for r in records)
     return sum(r.get("tokens/wasted", 0.0) for r in records) / generated if generated else 0.0
+
+
+def _sampler_kl(records: list[dict[str, float]]) -> float:
+    """The trained tokens' mean `loss/sampler_kl` over `records` (0 where none records it)."""
+    tokens = sum(r.get("loss/num_tokens", 0.0) for r in records if "loss/sampler_kl" in r)
+    kl = sum(r["loss/sampler_kl"] * r["loss/num_tokens"] for r in records if "loss/sampler_kl" in r)
+    return kl / tokens if tokens else 0.0
 
 
 def _quantile(values: list[int], q: float) -> int:

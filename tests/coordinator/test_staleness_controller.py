@@ -266,6 +266,20 @@ def test_auto_on_a_drifting_sim_workload_keeps_the_bound() -> None:
     assert out["steps"] == 12 and out["violations"] == 0 and out["staleness_max"] <= 8
 
 
+def test_auto_deepens_within_a_kl_budget_as_the_policy_slows() -> None:
+    """D4: the KL a version of staleness brings falls 10x over 60 steps. d = 2 exceeds the
+    budget early on, so d = 1 is the fastest fixed depth within it; auto keeps the budget over
+    every 10 steps and, going deeper as the KL per version falls, ends sooner."""
+    budget = workload_config("D4").coordinator.auto.max_sampler_kl
+    common = ["mode=async", "coordinator.max_staleness=null", "train.total_steps=60"]
+    fixed = {d: run_workload("D4", [*common, f"coordinator.pipeline_depth={d}"]) for d in (1, 2)}
+    auto = run_workload("D4", [*common, "coordinator.pipeline_depth=auto"])
+    assert budget is not None
+    assert fixed[1]["sampler_kl_peak"] <= budget < fixed[2]["sampler_kl_peak"]
+    assert 0 < auto["sampler_kl_peak"] <= budget
+    assert auto["time_s"] < 0.95 * fixed[1]["time_s"]
+
+
 def test_fixed_depths_record_no_controller_metrics(tmp_path) -> None:
     s = {"d": 1, "k": 2, "gps": 2, "group_size": 2, "alpha": 2.0, "scale": 0.1}
     trainer, _ = heavy_tailed.trainer(tmp_path, {**s, "train_s": 0.5, "seed": 1}, {}, {})
@@ -351,3 +365,31 @@ def test_a_difference_within_the_steps_noise_does_not_undo_a_move() -> None:
 
     assert moves(0.3) == [(2, 1, "generation_idle")]
     assert moves(0.0) == [(2, 1, "generation_idle"), (1, 2, "worse")]
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [(None, 4), (0.012, 4), (0.0095, 3), (0.0085, None)],
+)
+def test_a_move_up_goes_no_deeper_than_the_kl_budget_predicts(
+    budget: float | None, expected: int | None
+) -> None:
+    """An idle trainer at depth 2, staleness 2 and KL 0.006: each depth deeper adds a version of
+    staleness and KL in proportion (0.009 at 3, 0.012 at 4); the move stops where the budget
+    would be exceeded, and is not made where even one deeper would be."""
+    controller = DepthController(AutoDepthConfig(hold_steps=2, initial=2, max_sampler_kl=budget), 8)
+    controller.observe(_record(0.0))
+    more = {"staleness/mean": 2.0, "loss/sampler_kl": 0.006, "loss/num_tokens": 100.0}
+    assert controller.observe(_record(0.5, **more)) is None
+    change = controller.observe(_record(0.5, **more))  # idle over 4x the target: doubling
+    assert (change and change.new) == expected
+    assert change is None or change.reason == "trainer_idle"
+
+
+def test_a_move_up_goes_no_deeper_than_the_staleness_budget_predicts() -> None:
+    config = AutoDepthConfig(hold_steps=2, initial=2, max_mean_staleness=3.5)
+    controller = DepthController(config, 8)
+    controller.observe(_record(0.0))
+    for _ in range(2):
+        change = controller.observe(_record(0.5, **{"staleness/mean": 2.0}))
+    assert change == DepthChange(2, 3, "trainer_idle")

@@ -4,8 +4,9 @@ Generation runs on a simulated inference server (`server.py`). Training takes co
 train_rate seconds alone (recomputing old logprobs, a forward pass only, a third of that), each
 optimizer step t_optim; weight syncs take t_sync. While training and syncing, generation decodes at
 train_share and sync_share of its rate; while generation decodes, training and recomputing run at
-learner_share of their speed (a device the two share). Used by tests, benchmarks and to dry-run a
-schedule.
+learner_share of their speed (a device the two share). With `kl_per_version`, training records
+the sampler-learner KL that its tokens' staleness brings. Used by tests, benchmarks and to dry-run
+a schedule.
 """
 
 from __future__ import annotations
@@ -101,7 +102,25 @@ class SimBackend:
             )
             for g, n in zip(groups, lengths, strict=True)
         )
-        return {"sim/train_tokens": float(tokens), "sim/train_s": seconds}
+        return {"sim/train_tokens": float(tokens), "sim/train_s": seconds, **self._kl(groups)}
+
+    def _kl(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        """`loss/sampler_kl` of `groups`' tokens (`kl_per_version` per version of staleness, the
+        policy's steps since each model call's oldest version), with `loss/num_tokens`."""
+        o = self.opts
+        if not o.kl_per_version:
+            return {}
+        stale = tokens = 0
+        for g in groups:
+            for t in g.trajectories:
+                for call in t.steps:
+                    if call.versions:
+                        n = len(call.completion_ids)
+                        stale += n * (self.steps - min(call.versions))
+                        tokens += n
+        rate = o.kl_per_version * drift_factor(self.steps, o.kl_drift_steps, o.kl_growth)
+        kl = rate * stale / tokens if tokens else 0.0
+        return {"loss/sampler_kl": kl, "loss/num_tokens": float(tokens)}
 
     async def recompute_logprobs(self, groups: list[TrajectoryGroup]) -> None:
         """A no-grad forward pass over `groups` (old logprobs): a third of a training pass's time."""

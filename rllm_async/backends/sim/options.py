@@ -42,6 +42,12 @@ class SimOptions(BaseModel):
     train_growth: float = Field(default=1.0, gt=0.0)
     train_drift_steps: int = Field(default=0, ge=0)
     train_drift_shape: Literal["linear", "step"] = "linear"
+    # The sampler-learner KL (`loss/sampler_kl`, nats per token) that each policy version of a
+    # token's staleness adds, as a policy that moves per step makes it (0: not modelled, no
+    # record); `kl_growth` times that after `kl_drift_steps` optimizer steps, linearly (0: none).
+    kl_per_version: float = Field(default=0.0, ge=0.0)
+    kl_growth: float = Field(default=1.0, gt=0.0)
+    kl_drift_steps: int = Field(default=0, ge=0)
     sync_fail_every: int = Field(default=0, ge=0)  # 0: never
     sync_hang_every: int = Field(default=0, ge=0)  # 0: never
     # The rollout-length distribution train_ratio is calibrated on; from_config takes any of

@@ -1,4 +1,4 @@
-"""The benchmark workloads of the sim backend, as configs: W1-W4 stationary, D1-D3 drifting."""
+"""The benchmark workloads of the sim backend, as configs: W1-W4 stationary, D1-D4 drifting."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from typing import Any
 
 from rllm_async.algorithms.sim_workload import LEN_CAP, LEN_MEDIAN, LEN_SIGMA
 from rllm_async.config import Config, ConfigError, load_config
+
+KL_PER_VERSION = 0.01  # D4's sampler KL per version of staleness at the start, nats per token
 
 
 def _workload(
@@ -20,6 +22,7 @@ def _workload(
     sync_fail_every: int = 0,
     drift: dict[str, Any] | None = None,
     backend_drift: dict[str, Any] | None = None,
+    auto: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     slots = 512
     return {
@@ -57,6 +60,7 @@ def _workload(
             "timeout_s": timeout_s,
             "max_concurrency": slots,
         },
+        **({"coordinator": {"auto": auto}} if auto else {}),
     }
 
 
@@ -81,6 +85,14 @@ DRIFTING_WORKLOADS: dict[str, dict[str, Any]] = {
     # D3: an agent: reasoning whose tool call after each reply goes from 5 s to 60 s over the
     # same 60 steps. Generation-bound, with ever fewer of its rollouts in the engine at once.
     "D3": _workload(drift={"drift_steps": 60, "tool_s": 5.0, "tool_growth": 12.0}),
+    # D4: reasoning whose policy moves ever less per step (a decaying learning rate): the
+    # sampler-learner KL a version of staleness brings falls 10x over the same 60 steps, under a
+    # KL budget that early on only a staleness of about one keeps; `auto` starts at d = 1, which
+    # keeps it (at its default, 2, its first steps go over the budget).
+    "D4": _workload(
+        backend_drift={"kl_per_version": KL_PER_VERSION, "kl_growth": 0.1, "kl_drift_steps": 60},
+        auto={"max_sampler_kl": 1.5 * KL_PER_VERSION, "initial": 1},
+    ),
 }
 
 

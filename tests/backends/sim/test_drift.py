@@ -1,4 +1,5 @@
-"""Drifting sim workloads: lengths, tool latency and learner time per token that change over a run."""
+"""Drifting sim workloads: lengths, tool latency, learner time per token and the sampler KL a
+version of staleness brings, changing over a run."""
 
 from __future__ import annotations
 
@@ -83,10 +84,40 @@ def test_learner_seconds_per_token_drift_by_optimizer_step() -> None:
     assert backend.seconds_per_token(1) == pytest.approx(0.00075)
 
 
+def test_the_sampler_kl_grows_with_staleness_and_drifts_by_optimizer_step() -> None:
+    """Tokens sampled at version 0, trained at steps 0-3: staleness 0-3, at a KL per version
+    that halves over two steps."""
+    opts = SimOptions(latency="zero", kl_per_version=0.01, kl_growth=0.5, kl_drift_steps=2)
+    backend = SimBackend(opts)
+    policy = backend.policy()
+
+    async def main() -> list[dict[str, float]]:
+        ctx = RolloutContext(
+            policy, sampling=SamplingParams(), pin=True, deadline=math.inf, task_id="t"
+        )
+        await ctx.generate([1], max_tokens=100)
+        ctx.close()
+        group = TrajectoryGroup("t", "default", [ctx.trajectory()], [0.0])
+        out = []
+        for _ in range(4):
+            out.append(await backend.forward_backward([group], LossConfig()))
+            await backend.optim_step()
+        return out
+
+    metrics = vclock.run(main(), virtual=True)
+    kls = [m["loss/sampler_kl"] for m in metrics]
+    assert kls == pytest.approx([0.0, 0.0075, 0.01, 0.015])
+    assert all(m["loss/num_tokens"] == 100 for m in metrics)
+    plain = SimBackend(SimOptions(latency="zero"))
+    assert "loss/sampler_kl" not in vclock.run(
+        plain.forward_backward([], LossConfig()), virtual=True
+    )
+
+
 def test_drifting_workloads_build_and_simulate_slower_than_their_start() -> None:
     from rllm_async.plan.simulate import run_workload
 
-    assert set(DRIFTING_WORKLOADS) == {"D1", "D2", "D3"}
+    assert set(DRIFTING_WORKLOADS) == {"D1", "D2", "D3", "D4"}
     for name in DRIFTING_WORKLOADS:
         config = workload_config(name)
         SimBackend.from_config(config)

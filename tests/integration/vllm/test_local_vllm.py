@@ -35,6 +35,8 @@ def write_config(
     steps: int,
     workflow: dict[str, Any] | None = None,
     urls: list[str] | None = None,
+    vllm_args: list[str] | None = None,
+    max_concurrency: int | str = 256,
 ) -> Path:
     coordinator = {"pipeline_depth": 1, "max_staleness": 2, "weight_update": "latest"}
     config = {
@@ -50,6 +52,7 @@ def write_config(
                 "dtype": "float32",
                 "weights_dir": str(tmp_path / "weights"),
                 **({"urls": urls} if urls else {}),
+                **({"extra_args": vllm_args} if vllm_args else {}),
             },
         },
         "workflow": workflow
@@ -58,7 +61,13 @@ def write_config(
             "args": {"reward_fn": "tests.integration.vllm.tasks:reward"},
         },
         "data": {"train": {"generator": "tests.integration.vllm.tasks:generator"}},
-        "rollout": {"group_size": 4, "max_tokens": 16, "timeout_s": 60, "retries": 1},
+        "rollout": {
+            "group_size": 4,
+            "max_tokens": 16,
+            "timeout_s": 60,
+            "retries": 1,
+            "max_concurrency": max_concurrency,
+        },
         "coordinator": coordinator if mode == "async" else {},
         "train": {"total_steps": steps, "groups_per_step": 4},
         "checkpoint": {"at_end": False},
@@ -96,7 +105,20 @@ def processes_in(run_dir: Path) -> list[int]:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_rllm_async_train_runs_on_a_vllm_server(tiny_qwen: Path, tmp_path: Path, mode: str) -> None:
-    proc = train(write_config(tmp_path, tiny_qwen, mode, steps=3))
+    """Async runs with `rollout.max_concurrency: auto`, which starts at the server's
+    `--max-num-seqs` and, with rollouts that are all model call, stays there."""
+    if mode == "async":
+        config = write_config(
+            tmp_path,
+            tiny_qwen,
+            mode,
+            steps=3,
+            vllm_args=["--max-num-seqs", "6"],
+            max_concurrency="auto",
+        )
+    else:
+        config = write_config(tmp_path, tiny_qwen, mode, steps=3)
+    proc = train(config)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     run_dir = tmp_path / "runs" / f"vllm-{mode}"
@@ -114,6 +136,10 @@ def test_rllm_async_train_runs_on_a_vllm_server(tiny_qwen: Path, tmp_path: Path,
     assert all(r["loss/num_tokens"] > 0 for r in records)
     if mode == "sync":
         assert all(r["staleness/max"] == 0 for r in records)
+        assert "rollout/max_concurrency" not in first
+    else:
+        assert [r["rollout/max_concurrency"] for r in records] == [6, 6, 6]
+        assert "'max_num_seqs': 6" in (run_dir / "vllm-0.log").read_text()  # what S came from
     assert (run_dir / "vllm-0.log").is_file()
     assert processes_in(run_dir.resolve()) == [], "the server was stopped with the run"
     assert not any((tmp_path / "weights").iterdir()), "the synced weights were deleted"
