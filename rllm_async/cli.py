@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     sim = sub.add_parser("simulate", help="run a workload on the simulator: async vs sync")
-    sim.add_argument("--workload", default="W1", help="W1-W4 (stationary) or D1-D3 (drifting)")
+    sim.add_argument("--workload", default="W1", help="W1-W4 (stationary) or D1-D4 (drifting)")
     sim.add_argument("--mode", choices=["sync", "async"], default="async")
     sim.add_argument(
         "--pipeline-depth", type=_depth, default=4, help="d, or auto (the depth controller)"
