@@ -63,37 +63,13 @@ def test_lengths_and_tool_latency_drift_with_the_version_a_rollout_starts_on() -
     assert [_rollout(steady, 10, *k) for k in keys] == early
 
 
-def test_learner_seconds_per_token_drift_by_optimizer_step() -> None:
-    backend = SimBackend(SimOptions(train_rate=1000.0, train_growth=0.5, train_drift_steps=2))
-    policy = backend.policy()
-
-    async def main() -> list[float]:
-        ctx = RolloutContext(
-            policy, sampling=SamplingParams(), pin=True, deadline=math.inf, task_id="t"
-        )
-        await ctx.generate([1], max_tokens=100)
-        ctx.close()
-        group = TrajectoryGroup("t", "default", [ctx.trajectory()], [0.0])
-        out = []
-        for _ in range(4):
-            out.append((await backend.forward_backward([group], LossConfig()))["sim/train_s"])
-            await backend.optim_step()
-        return out
-
-    assert vclock.run(main(), virtual=True) == pytest.approx([0.1, 0.075, 0.05, 0.05])
-    assert backend.seconds_per_token(1) == pytest.approx(0.00075)
-
-
-def test_the_sampler_kl_grows_with_staleness_and_drifts_by_optimizer_step() -> None:
-    """Tokens sampled at version 0, trained at steps 0-3: staleness 0-3, at a KL per version
-    that halves over two steps."""
-    opts = SimOptions(latency="zero", kl_per_version=0.01, kl_growth=0.5, kl_drift_steps=2)
-    backend = SimBackend(opts)
-    policy = backend.policy()
+def _train_four_steps(backend: SimBackend) -> list[dict[str, float]]:
+    """One 100-token call sampled at version 0, trained at optimizer steps 0-3: the backend's
+    metrics of each step."""
 
     async def main() -> list[dict[str, float]]:
         ctx = RolloutContext(
-            policy, sampling=SamplingParams(), pin=True, deadline=math.inf, task_id="t"
+            backend.policy(), sampling=SamplingParams(), pin=True, deadline=math.inf, task_id="t"
         )
         await ctx.generate([1], max_tokens=100)
         ctx.close()
@@ -104,14 +80,24 @@ def test_the_sampler_kl_grows_with_staleness_and_drifts_by_optimizer_step() -> N
             await backend.optim_step()
         return out
 
-    metrics = vclock.run(main(), virtual=True)
-    kls = [m["loss/sampler_kl"] for m in metrics]
-    assert kls == pytest.approx([0.0, 0.0075, 0.01, 0.015])
+    return vclock.run(main(), virtual=True)
+
+
+def test_learner_seconds_per_token_drift_by_optimizer_step() -> None:
+    backend = SimBackend(SimOptions(train_rate=1000.0, train_growth=0.5, train_drift_steps=2))
+    metrics = _train_four_steps(backend)
+    assert [m["sim/train_s"] for m in metrics] == pytest.approx([0.1, 0.075, 0.05, 0.05])
+    assert backend.seconds_per_token(1) == pytest.approx(0.00075)
+
+
+def test_the_sampler_kl_grows_with_staleness_and_drifts_by_optimizer_step() -> None:
+    """Staleness 0-3, at a KL per version that halves over two steps; none without the option."""
+    opts = SimOptions(latency="zero", kl_per_version=0.01, kl_growth=0.5, kl_drift_steps=2)
+    metrics = _train_four_steps(SimBackend(opts))
+    assert [m["loss/sampler_kl"] for m in metrics] == pytest.approx([0.0, 0.0075, 0.01, 0.015])
     assert all(m["loss/num_tokens"] == 100 for m in metrics)
-    plain = SimBackend(SimOptions(latency="zero"))
-    assert "loss/sampler_kl" not in vclock.run(
-        plain.forward_backward([], LossConfig()), virtual=True
-    )
+    plain = _train_four_steps(SimBackend(SimOptions(latency="zero")))
+    assert not any("loss/sampler_kl" in m for m in plain)
 
 
 def test_drifting_workloads_build_and_simulate_slower_than_their_start() -> None:
