@@ -4,7 +4,6 @@ version of staleness brings, changing over a run."""
 from __future__ import annotations
 
 import asyncio
-import math
 
 import pytest
 
@@ -12,10 +11,8 @@ from rllm_async import vclock
 from rllm_async.algorithms.sim_workload import drift_factor
 from rllm_async.backends.sim import DRIFTING_WORKLOADS, SimBackend, SimOptions, workload_config
 from rllm_async.config import LossConfig
-from rllm_async.protocols import SamplingParams
-from rllm_async.rollout import RolloutContext
-from rllm_async.types import TrajectoryGroup
 from rllm_async.workflows.sim import SimWorkflow, synthetic_tasks
+from tests.backends.sim.test_sim import sim_context, trained_group
 
 
 def test_drift_factor_ramps_or_steps() -> None:
@@ -27,20 +24,11 @@ def test_drift_factor_ramps_or_steps() -> None:
 def _rollout(workflow: SimWorkflow, version: int, task_id: str, index: int) -> tuple[int, float]:
     """A rollout's completion tokens and seconds, started on `version`."""
     backend = SimBackend(SimOptions(latency="zero"))
-    policy = backend.policy()
 
     async def main() -> tuple[int, float]:
         await backend.on_policy_updated(version)
         loop = asyncio.get_running_loop()
-        ctx = RolloutContext(
-            policy,
-            sampling=SamplingParams(),
-            pin=True,
-            deadline=math.inf,
-            task_id=task_id,
-            rollout_index=index,
-            attempt=0,
-        )
+        ctx = sim_context(backend.policy(), task_id, index)
         t0 = loop.time()
         await workflow.run({"id": task_id}, ctx)
         ctx.close()
@@ -68,12 +56,7 @@ def _train_four_steps(backend: SimBackend) -> list[dict[str, float]]:
     metrics of each step."""
 
     async def main() -> list[dict[str, float]]:
-        ctx = RolloutContext(
-            backend.policy(), sampling=SamplingParams(), pin=True, deadline=math.inf, task_id="t"
-        )
-        await ctx.generate([1], max_tokens=100)
-        ctx.close()
-        group = TrajectoryGroup("t", "default", [ctx.trajectory()], [0.0])
+        group = await trained_group(backend.policy(), "t", 100)
         out = []
         for _ in range(4):
             out.append(await backend.forward_backward([group], LossConfig()))

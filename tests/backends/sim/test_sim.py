@@ -30,7 +30,10 @@ from rllm_async.types import TrajectoryGroup
 from rllm_async.workflows.sim import SimWorkflow, SimWorkflowError, synthetic_tasks
 
 
-def _ctx(policy: SimPolicy, task_id: str, index: int = 0, attempt: int = 0) -> RolloutContext:
+def sim_context(
+    policy: SimPolicy, task_id: str, index: int = 0, attempt: int = 0
+) -> RolloutContext:
+    """A pinned rollout context with no deadline on `policy`."""
     return RolloutContext(
         policy,
         sampling=SamplingParams(),
@@ -50,9 +53,9 @@ async def _timed_generate(
     return asyncio.get_running_loop().time(), out.versions
 
 
-async def _trained_group(policy: SimPolicy, task_id: str, tokens: int) -> TrajectoryGroup:
+async def trained_group(policy: SimPolicy, task_id: str, tokens: int) -> TrajectoryGroup:
     """A group of one rollout of `tokens` sampled tokens, to train on."""
-    ctx = _ctx(policy, task_id)
+    ctx = sim_context(policy, task_id)
     await ctx.generate([1], max_tokens=tokens)
     ctx.close()
     return TrajectoryGroup(task_id, "default", [ctx.trajectory()], [0.0])
@@ -173,7 +176,7 @@ def test_workflow_draws_depend_only_on_task_index_and_attempt() -> None:
         policy = SimPolicy(SimOptions(latency="zero"))
 
         async def one(task: dict[str, Any], index: int, attempt: int) -> tuple[int, Any]:
-            ctx = _ctx(policy, task["id"], index, attempt)
+            ctx = sim_context(policy, task["id"], index, attempt)
             reward = await workflow.run(task, ctx)
             ctx.close()
             return ctx.trajectory().num_completion_tokens, reward
@@ -201,7 +204,7 @@ def test_success_rate_rises_with_the_policy_version() -> None:
         policy.set_version(version)
 
         async def main() -> list[Any]:
-            return [await workflow.run(t, _ctx(policy, t["id"])) for t in tasks]
+            return [await workflow.run(t, sim_context(policy, t["id"])) for t in tasks]
 
         return sum(vclock.run(main(), virtual=True)) / len(tasks)
 
@@ -219,7 +222,7 @@ def test_calibrated_train_ratio_holds_when_resimulated() -> None:
     async def sync_step(batch: list[dict[str, Any]]) -> tuple[float, float]:
         loop = asyncio.get_running_loop()
         start = loop.time()
-        ctxs = [[_ctx(policy, t["id"], i) for i in range(size)] for t in batch]
+        ctxs = [[sim_context(policy, t["id"], i) for i in range(size)] for t in batch]
         await asyncio.gather(
             *(workflow.run(t, c) for t, row in zip(batch, ctxs, strict=True) for c in row)
         )
@@ -258,13 +261,13 @@ def test_injected_workflow_faults() -> None:
     task = synthetic_tasks(1)[0]
 
     async def main() -> None:
-        failed = _ctx(policy, task["id"])
+        failed = sim_context(policy, task["id"])
         with pytest.raises(SimWorkflowError, match="exception_rate"):
             await SimWorkflow(exception_rate=1.0).run(task, failed)
         failed.close()
         with pytest.raises(SimWorkflowError, match="fail_tasks"):
-            await SimWorkflow(fail_tasks=[task["id"]]).run(task, _ctx(policy, task["id"]))
-        hung = _ctx(policy, task["id"])
+            await SimWorkflow(fail_tasks=[task["id"]]).run(task, sim_context(policy, task["id"]))
+        hung = sim_context(policy, task["id"])
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(3600):
                 await SimWorkflow(hang_rate=1.0).run(task, hung)
@@ -272,7 +275,7 @@ def test_injected_workflow_faults() -> None:
         hung.close()
         assert policy.snapshots == {}
         start = asyncio.get_running_loop().time()
-        await SimWorkflow(reward_delay_s=30.0).run(task, _ctx(policy, task["id"]))
+        await SimWorkflow(reward_delay_s=30.0).run(task, sim_context(policy, task["id"]))
         assert asyncio.get_running_loop().time() - start == 30.0
 
     vclock.run(main(), virtual=True)
@@ -306,7 +309,7 @@ def test_snapshot_refcounts_return_to_zero() -> None:
     tasks = synthetic_tasks(50)
 
     async def rollout(task: dict[str, Any], index: int) -> None:
-        ctx = _ctx(policy, task["id"], index)
+        ctx = sim_context(policy, task["id"], index)
         try:
             await workflow.run(task, ctx)
         finally:
@@ -334,7 +337,7 @@ def test_training_log_timing_and_checkpoint(tmp_path: Path) -> None:
     task = synthetic_tasks(1)[0]
 
     async def main() -> float:
-        ctxs = [_ctx(policy, task["id"], i) for i in range(2)]
+        ctxs = [sim_context(policy, task["id"], i) for i in range(2)]
         for n, c in zip((300, 200), ctxs, strict=True):
             await c.generate([1], max_tokens=n)
             c.set_reward(n / 100)
@@ -423,7 +426,7 @@ def test_training_with_train_share_slows_decoding_by_that_share() -> None:
     task = synthetic_tasks(1)[0]
 
     async def main() -> float:
-        group = await _trained_group(policy, task["id"], 100)
+        group = await trained_group(policy, task["id"], 100)
         start = asyncio.get_running_loop().time()
         train = backend.forward_backward([group], LossConfig())
         (t, _), _ = await asyncio.gather(_timed_generate(policy, 100), train)
@@ -444,7 +447,7 @@ def test_learner_share_slows_training_only_while_generation_decodes() -> None:
         task = synthetic_tasks(1)[0]
 
         async def main() -> tuple[float, float, float]:
-            group = await _trained_group(policy, task["id"], 600)
+            group = await trained_group(policy, task["id"], 600)
             loop = asyncio.get_running_loop()
             start = loop.time()
 
@@ -475,7 +478,7 @@ def test_learner_share_slows_recomputed_logprobs_beside_generation() -> None:
     task = synthetic_tasks(1)[0]
 
     async def main() -> float:
-        group = await _trained_group(policy, task["id"], 300)
+        group = await trained_group(policy, task["id"], 300)
         loop = asyncio.get_running_loop()
         start = loop.time()
         _, _ = await asyncio.gather(
