@@ -17,7 +17,9 @@ judgment, and moves at most once:
    undone while, within `retry_steps` of it, the new depth gives less goodput with the trainer
    no busier (groups over the bound are dropped: the waste shows up steps later); it is not
    tried again for `retry_steps` steps. A move down is undone where the depth it left did better
-   on either measure, and the controller stays at least that deep for `retry_steps` steps;
+   on either measure, or, for a move made for groups over the bound (3), gave more goodput on the
+   mean over a whole stay at the new depth; the controller then stays at least that deep for
+   `retry_steps` steps;
 3. the trainer idle while more than `min_gain` of the groups taken were dropped as too stale,
    none of the rollouts hung: one lower, and no higher until that is judged (`over_bound`).
    Fewer rollouts at once decode faster, so fewer go over the bound; the move is judged as any
@@ -201,6 +203,7 @@ class DepthController:
         self._cap_until = self._floor_until = 0  # ...until these steps
         self._below: list[_Mark] = []  # the depths moved up from, each with what it gave
         self._above: _Mark | None = None  # the depth a judged move down came from
+        self._above_over_bound = False  # whether that move was for groups over the bound
         self._trial: int | None = None  # the step of the last move not yet judged to stand
         self._undone = 0  # moves undone in a row: each doubles how long the next limit holds
 
@@ -248,6 +251,7 @@ class DepthController:
             self._below = [m for m in self._below if m.depth < change.new]
             judged = change.reason in ("worse", "generation_idle", "over_bound")
             self._above = left if judged else None
+            self._above_over_bound = change.reason == "over_bound"
         if change.reason == "worse":
             self._undone, self._trial = self._undone + 1, None
         else:
@@ -278,7 +282,7 @@ class DepthController:
             self._cap, self._cap_until = new, self._steps + c.retry_steps
             return DepthChange(d, new, over)
         above = self._above
-        if above is not None and above.step >= recent and _better(above, here, c.min_gain):
+        if above is not None and above.step >= recent and self._undo_down(above, here):
             # The move down made things worse: back up, and not below that for a while.
             self._cap = max(self.cap, above.depth)  # a limit from before the move still holds
             self._floor, self._floor_until = above.depth, self._steps + hold
@@ -307,6 +311,16 @@ class DepthController:
         if w.idle < c.target_idle / 2 and w.generation_idle > c.generation_idle and d > self.floor:
             return DepthChange(d, d - 1, "generation_idle")
         return None
+
+    def _undo_down(self, above: _Mark, here: _Mark) -> bool:
+        """Whether the move down from `above` made things worse: the depth it left did better
+        (beyond the steps' noise); or, for a move made for groups over the bound, gave more
+        goodput on the mean over a whole stay here (the move's premise, that fewer rollouts at
+        once lose fewer groups, did not pay)."""
+        if _better(above, here, self.config.min_gain):
+            return True
+        full = here.goodput.n >= STAY_STEPS
+        return self._above_over_bound and full and above.goodput.mean > here.goodput.mean
 
     def _within_budgets(self, w: _Totals, new: int) -> int:
         """The deepest depth up to `new` whose consumed groups' staleness, and the sampler KL

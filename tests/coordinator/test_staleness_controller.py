@@ -367,6 +367,33 @@ def test_a_difference_within_the_steps_noise_does_not_undo_a_move() -> None:
     assert moves(0.0) == [(2, 1, "generation_idle"), (1, 2, "worse")]
 
 
+def test_a_move_down_for_groups_over_the_bound_is_undone_where_it_gave_less_on_the_mean() -> None:
+    """Groups go over the bound at d = 2 while the trainer idles: d = 1. Its steps vary by 30%,
+    so a 5% loss is within their noise; but the move's premise, that fewer rollouts at once
+    lose fewer groups and so give more, failed over a whole stay: back to 2, and not below it
+    again. Where d = 1 gives more, the move stands until its limit lapses."""
+    config = AutoDepthConfig(hold_steps=1, initial=2, retry_steps=40)
+
+    def moves(low: float) -> list[tuple[int, int, str]]:
+        controller = DepthController(config, 2)
+        out = []
+        for i in range(50):
+            scale = 1.0 + (0.3 if i % 2 else -0.3)
+            more: dict[str, float] = {
+                "tokens/generated": (1000.0 if controller.depth == 2 else low)
+            }
+            more["tokens/generated"] *= scale
+            if controller.depth == 2 and i >= 8:  # from step 9 on, groups go over the bound
+                more |= {"groups/dropped_stale": 2.0, "groups/consumed": 14.0}
+            change = controller.observe(_record(0.5, **more))  # generation-bound throughout
+            if change is not None:
+                out.append((change.old, change.new, change.reason))
+        return out
+
+    assert moves(950.0) == [(2, 1, "over_bound"), (1, 2, "worse")]
+    assert moves(1050.0)[:2] == [(2, 1, "over_bound"), (1, 2, "trainer_idle")]
+
+
 @pytest.mark.parametrize(
     ("budget", "expected"),
     [(None, 4), (0.012, 4), (0.0095, 3), (0.0085, None)],
