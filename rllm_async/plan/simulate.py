@@ -82,7 +82,8 @@ def run_config(
         "dropped_stale": sum(r["groups/dropped_stale"] for r in records),
         "sampler_kl": _sampler_kl(records),
         "sampler_kl_peak": max(
-            (_sampler_kl(records[i : i + KL_WINDOW]) for i in range(len(records))), default=0.0
+            _sampler_kl(records[i : i + KL_WINDOW])
+            for i in range(max(1, len(records) - KL_WINDOW + 1))
         ),
     }
 

@@ -107,18 +107,10 @@ def processes_in(run_dir: Path) -> list[int]:
 def test_rllm_async_train_runs_on_a_vllm_server(tiny_qwen: Path, tmp_path: Path, mode: str) -> None:
     """Async runs with `rollout.max_concurrency: auto`, which starts at the server's
     `--max-num-seqs` and, with rollouts that are all model call, stays there."""
+    auto: dict[str, Any] = {}
     if mode == "async":
-        config = write_config(
-            tmp_path,
-            tiny_qwen,
-            mode,
-            steps=3,
-            vllm_args=["--max-num-seqs", "6"],
-            max_concurrency="auto",
-        )
-    else:
-        config = write_config(tmp_path, tiny_qwen, mode, steps=3)
-    proc = train(config)
+        auto = {"vllm_args": ["--max-num-seqs", "6"], "max_concurrency": "auto"}
+    proc = train(write_config(tmp_path, tiny_qwen, mode, steps=3, **auto))
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out
     run_dir = tmp_path / "runs" / f"vllm-{mode}"
