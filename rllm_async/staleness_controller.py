@@ -18,8 +18,8 @@ judgment, and moves at most once:
    no busier (groups over the bound are dropped: the waste shows up steps later); it is not
    tried again for `retry_steps` steps. A move down is undone where the depth it left did better
    on either measure, or, for a move made for groups over the bound (3), gave more goodput on the
-   mean over a whole stay at the new depth; the controller then stays at least that deep for
-   `retry_steps` steps;
+   mean over a whole stay at the new depth and at least half a stay at the old one; the
+   controller then stays at least that deep for `retry_steps` steps;
 3. the trainer idle while more than `min_gain` of the groups taken were dropped as too stale,
    none of the rollouts hung: one lower, and no higher until that is judged (`over_bound`).
    Fewer rollouts at once decode faster, so fewer go over the bound; the move is judged as any
@@ -316,10 +316,11 @@ class DepthController:
         """Whether the move down from `above` made things worse: the depth it left did better
         (beyond the steps' noise); or, for a move made for groups over the bound, gave more
         goodput on the mean over a whole stay here (the move's premise, that fewer rollouts at
-        once lose fewer groups, did not pay)."""
+        once lose fewer groups, did not pay), the mean there taken over at least half a stay
+        (the mean of one or two heavy-tailed steps is noise)."""
         if _better(above, here, self.config.min_gain):
             return True
-        full = here.goodput.n >= STAY_STEPS
+        full = here.goodput.n >= STAY_STEPS and above.goodput.n >= STAY_STEPS // 2
         return self._above_over_bound and full and above.goodput.mean > here.goodput.mean
 
     def _within_budgets(self, w: _Totals, new: int) -> int:

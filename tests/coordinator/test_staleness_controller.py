@@ -394,6 +394,30 @@ def test_a_move_down_for_groups_over_the_bound_is_undone_where_it_gave_less_on_t
     assert moves(1050.0)[:2] == [(2, 1, "over_bound"), (1, 2, "trainer_idle")]
 
 
+def test_a_move_down_for_groups_over_the_bound_after_a_short_stay_is_not_judged_on_its_mean() -> (
+    None
+):
+    """d = 2 is tried, and its first judged step drops groups over the bound: back to 1. That one
+    step happened to be a good one (1300 against 1000 on the mean of d = 1's steps); a mean of
+    fewer than half a stay's steps is noise, so the move down stands and d = 2 is tried again
+    once its limit lapses, instead of being held for `retry_steps`."""
+    config = AutoDepthConfig(hold_steps=1, initial=1, retry_steps=40)
+    controller = DepthController(config, 2)
+    moves = []
+    for i in range(30):
+        more: dict[str, float] = {"tokens/generated": 1300.0 if i % 2 else 700.0}
+        if controller.depth == 2:
+            more = {
+                "tokens/generated": 1300.0,
+                "groups/dropped_stale": 2.0,
+                "groups/consumed": 14.0,
+            }
+        change = controller.observe(_record(0.5, **more))  # generation-bound throughout
+        if change is not None:
+            moves.append((change.old, change.new, change.reason))
+    assert moves[:3] == [(1, 2, "trainer_idle"), (2, 1, "over_bound"), (1, 2, "trainer_idle")]
+
+
 @pytest.mark.parametrize(
     ("budget", "expected"),
     [(None, 4), (0.012, 4), (0.0095, 3), (0.0085, None)],
