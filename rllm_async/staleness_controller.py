@@ -21,10 +21,12 @@ judgment, and moves at most once:
    mean over a whole stay at the new depth and at least half a stay at the old one; the
    controller then stays at least that deep for `retry_steps` steps;
 3. the trainer idle while more than `min_gain` of the groups taken were dropped as too stale,
-   none of the rollouts hung: one lower, and no higher until that is judged (`over_bound`).
-   Fewer rollouts at once decode faster, so fewer go over the bound; the move is judged as any
-   move down. Hung rollouts are left out: they hold their groups past the bound at any depth,
-   and a deeper pipeline keeps the others flowing around them;
+   none of the rollouts hung: one lower (`over_bound`), and no higher until that is judged, or
+   for `retry_steps` if longer: the depth left failed, as a move undone does. Fewer rollouts at
+   once decode faster, so fewer go over the bound; the move is judged as any move down. Hung
+   rollouts are left out: they hold their groups past the bound at any depth, and a deeper
+   pipeline keeps the others flowing around them; for that reason the trainer idle with hung
+   rollouts lifts the limit this move set;
 4. the trainer idle above `target_idle`: up, doubling while it idles over four times the target,
    else by one (`trainer_idle`), but not to where the judged steps predict a budget exceeded:
    each depth deeper adds about one version to the consumed groups' staleness, and the sampler
@@ -37,8 +39,9 @@ After each move it lets steps pass before judging again: as many as the consumed
 staleness (the groups admitted before the move still arrive, those admitted after it take as
 long), and after a move down, the old depth plus one (groups admitted deeper may still be dropped).
 Limits and judgments lapse after `retry_steps`, so that a drifting workload is explored again;
-the limit an undone move sets holds twice as long for each move undone in a row (at most 8
-times), until a move stands through its judgment.
+the limit an undone move or a move of (3) sets holds twice as long for each such move in a row
+(at most 8 times), until a move stands through its judgment: a tight bound's deeper depths,
+which keep sending groups over it, are tried less and less often.
 """
 
 from __future__ import annotations
@@ -201,6 +204,7 @@ class DepthController:
         self._lag = 0.0  # the consumed groups' staleness, recent steps weighing most
         self._cap, self._floor = ceiling, 0  # limits from failed trials and budgets...
         self._cap_until = self._floor_until = 0  # ...until these steps
+        self._cap_for_drops = False  # whether the cap is from groups over the bound (3)
         self._below: list[_Mark] = []  # the depths moved up from, each with what it gave
         self._above: _Mark | None = None  # the depth a judged move down came from
         self._above_over_bound = False  # whether that move was for groups over the bound
@@ -252,7 +256,7 @@ class DepthController:
             judged = change.reason in ("worse", "generation_idle", "over_bound")
             self._above = left if judged else None
             self._above_over_bound = change.reason == "over_bound"
-        if change.reason == "worse":
+        if change.reason in ("worse", "over_bound"):  # the depth left had failed
             self._undone, self._trial = self._undone + 1, None
         else:
             self._trial = self._steps
@@ -279,7 +283,7 @@ class DepthController:
             new = self._below[-1].depth if self._below else d - 1
             if new < 0:
                 return None
-            self._cap, self._cap_until = new, self._steps + c.retry_steps
+            self._limit(new, c.retry_steps)
             return DepthChange(d, new, over)
         above = self._above
         if above is not None and above.step >= recent and self._undo_down(above, here):
@@ -295,15 +299,20 @@ class DepthController:
             and _worse(here, below, c.min_gain)
         ):
             # The move up made things worse (its waste shows up late): back, not up again soon.
-            self._cap, self._cap_until = below.depth, self._steps + hold
+            self._limit(below.depth, hold)
             return DepthChange(d, below.depth, "worse")
         dropping = w.taken and w.dropped / w.taken > c.min_gain and not w.timeouts
         if w.idle > c.target_idle and dropping and d > self.floor:
             # Generation-bound and dropping groups over the bound: a shallower pipeline runs
-            # fewer rollouts at once, each faster, so fewer go over it. No higher until judged:
-            # the wait after a move down (the old depth + 1 steps), then a stay's steps.
-            self._cap, self._cap_until = d - 1, self._steps + d + 1 + STAY_STEPS
+            # fewer rollouts at once, each faster, so fewer go over it. No higher until judged
+            # (the wait after a move down, the old depth + 1 steps, then a stay's steps), and
+            # as a failed trial: longer for each in a row, as the deeper depth keeps failing.
+            self._limit(d - 1, max(d + 1 + STAY_STEPS, hold), for_drops=True)
             return DepthChange(d, d - 1, "over_bound")
+        if w.idle > c.target_idle and w.timeouts and self._cap_for_drops:
+            # Hung rollouts stall a shallow pipeline, and a deeper one flows around them: the
+            # drops that set the cap are the lesser cost now.
+            self._cap_until = 0
         if w.idle > c.target_idle:
             new = min(self.cap, d + max(1, d) if w.idle > 4 * c.target_idle else d + 1)
             new = self._within_budgets(w, new)
@@ -311,6 +320,10 @@ class DepthController:
         if w.idle < c.target_idle / 2 and w.generation_idle > c.generation_idle and d > self.floor:
             return DepthChange(d, d - 1, "generation_idle")
         return None
+
+    def _limit(self, cap: int, steps: int, *, for_drops: bool = False) -> None:
+        """No deeper than `cap` for `steps` steps; `for_drops`: set by groups over the bound."""
+        self._cap, self._cap_until, self._cap_for_drops = cap, self._steps + steps, for_drops
 
     def _undo_down(self, above: _Mark, here: _Mark) -> bool:
         """Whether the move down from `above` made things worse: the depth it left did better

@@ -137,11 +137,11 @@ def test_reacts_to_a_step_change_in_lengths_within_bounded_steps(
 def _after_the_wait(controller: DepthController, record: dict[str, float]) -> DepthChange | None:
     """Observe `record` until the controller judges again after a move; what it did then."""
     for _ in range(20):
-        steps = len(controller.changes)
+        waiting = controller._wait > 0
         change = controller.observe(record)
-        if change is not None or len(controller.changes) > steps:
+        if change is not None:
             return change
-        if controller._wait == 0 and controller._since == 0:  # judged, and left the depth
+        if not waiting and controller._since == 0:  # judged, and left the depth
             return None
     raise AssertionError("no judgment in 20 steps")
 
@@ -400,11 +400,11 @@ def test_a_move_down_for_groups_over_the_bound_after_a_short_stay_is_not_judged_
     """d = 2 is tried, and its first judged step drops groups over the bound: back to 1. That one
     step happened to be a good one (1300 against 1000 on the mean of d = 1's steps); a mean of
     fewer than half a stay's steps is noise, so the move down stands and d = 2 is tried again
-    once its limit lapses, instead of being held for `retry_steps`."""
-    config = AutoDepthConfig(hold_steps=1, initial=1, retry_steps=40)
+    once its limit lapses (`retry_steps`), instead of being held there."""
+    config = AutoDepthConfig(hold_steps=1, initial=1, retry_steps=20)
     controller = DepthController(config, 2)
     moves = []
-    for i in range(30):
+    for i in range(40):
         more: dict[str, float] = {"tokens/generated": 1300.0 if i % 2 else 700.0}
         if controller.depth == 2:
             more = {
@@ -416,6 +416,55 @@ def test_a_move_down_for_groups_over_the_bound_after_a_short_stay_is_not_judged_
         if change is not None:
             moves.append((change.old, change.new, change.reason))
     assert moves[:3] == [(1, 2, "trainer_idle"), (2, 1, "over_bound"), (1, 2, "trainer_idle")]
+
+
+def test_a_depth_that_keeps_sending_groups_over_the_bound_is_tried_less_and_less_often() -> None:
+    """A tight bound: at d = 1 the trainer idles a little and nothing is lost; at d = 2 a
+    quarter of the groups go over the bound. Each trial of d = 2 is a failed one, so the next
+    waits twice as long (`retry_steps`, then 2x, then 4x)."""
+    config = AutoDepthConfig(hold_steps=1, initial=1, retry_steps=10)
+    controller = DepthController(config, 2)
+    shallow = _record(0.1, **{"tokens/generated": 1000.0, "groups/consumed": 16.0})
+    deep = _record(  # the same goodput as d = 1: neither move is undone as worse
+        0.1,
+        **{
+            "tokens/generated": 1250.0,
+            "tokens/wasted": 250.0,
+            "groups/dropped_stale": 4.0,
+            "groups/consumed": 12.0,
+        },
+    )
+    trials = []
+    for _ in range(120):
+        change = controller.observe(deep if controller.depth == 2 else shallow)
+        if change is not None:
+            assert change.reason in ("trainer_idle", "over_bound")
+            if change.new == 2:
+                trials.append(controller._steps)
+    gaps = [b - a for a, b in pairwise(trials)]
+    assert len(gaps) >= 3
+    assert gaps[0] > config.retry_steps
+    assert gaps[1] > 2 * config.retry_steps and gaps[2] > 4 * config.retry_steps
+
+
+def test_hung_rollouts_lift_the_limit_that_groups_over_the_bound_set() -> None:
+    """Groups over the bound at d = 3: d = 2, no higher for now. Then rollouts hang and the
+    trainer idles at d = 2: a shallow pipeline stalls behind them, so the limit goes and d
+    goes up; without the hung rollouts it holds."""
+    config = AutoDepthConfig(hold_steps=1, initial=3, retry_steps=20)
+    late = {"groups/dropped_stale": 2.0, "groups/consumed": 14.0, "tokens/generated": 1000.0}
+
+    def after(record: dict[str, float]) -> DepthChange | None:
+        controller = DepthController(config, 8)
+        controller.observe(_record(0.5))
+        change = controller.observe(_record(0.5, **late))
+        assert change is not None and (change.new, change.reason) == (2, "over_bound")
+        return _after_the_wait(controller, record)
+
+    idle = {"tokens/generated": 1000.0, "groups/consumed": 16.0}
+    assert after(_record(0.5, **idle)) is None
+    change = after(_record(0.5, **idle, **{"rollout/timeouts": 1.0}))
+    assert change is not None and (change.old, change.new, change.reason) == (2, 4, "trainer_idle")
 
 
 @pytest.mark.parametrize(
