@@ -16,6 +16,7 @@ Prints one JSON line.
 
 Usage: python benchmarks/time_to_reward.py [--config examples/countdown/local_async.yaml]
            [--modes sync async] [--steps 300] [--seeds 0 1 2] [--targets 0.4 0.5 0.6]
+           [--set backend.device=cuda ...]
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ MODES = {
 
 
 def one_run(
-    path: str, mode: str, seed: int, steps: int, eval_every: int, tmp: str
+    path: str, mode: str, seed: int, steps: int, eval_every: int, tmp: str, extra: list[str]
 ) -> dict[str, object]:
     config = load_config(
         path,
         [
+            *extra,
             *MODES[mode],
             f"name={mode}-{seed}",
             f"run_dir={tmp}",
@@ -95,17 +97,23 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--targets", type=float, nargs="+", default=[0.4, 0.5, 0.6])
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", help="config overrides for every run"
+    )
     args = parser.parse_args()
     out: dict[str, object] = {
         "config": args.config,
         "steps": args.steps,
         "eval_every": args.eval_every,
+        "set": args.set,
     }
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:
             times: dict[str, dict[float, float | None]] = {}
             for mode in args.modes:
-                result = one_run(args.config, mode, seed, args.steps, args.eval_every, tmp)
+                result = one_run(
+                    args.config, mode, seed, args.steps, args.eval_every, tmp, args.set
+                )
                 curve = result["eval_accuracy"]
                 assert isinstance(curve, list)
                 times[mode] = {t: time_to(curve, t) for t in args.targets}
