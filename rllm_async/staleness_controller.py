@@ -41,7 +41,9 @@ long), and after a move down, the old depth plus one (groups admitted deeper may
 Limits and judgments lapse after `retry_steps`, so that a drifting workload is explored again;
 the limit an undone move or a move of (3) sets holds twice as long for each such move in a row
 (at most 8 times), until a move stands through its judgment: a tight bound's deeper depths,
-which keep sending groups over it, are tried less and less often.
+which keep sending groups over it, are tried less and less often. A move of (3) that is undone
+takes back the failure it had counted: the depth it left did better, so the only failed move
+is that one.
 """
 
 from __future__ import annotations
@@ -287,7 +289,12 @@ class DepthController:
             return DepthChange(d, new, over)
         above = self._above
         if above is not None and above.step >= recent and self._undo_down(above, here):
-            # The move down made things worse: back up, and not below that for a while.
+            # The move down made things worse: back up, and not below that for a while. A move
+            # down for groups over the bound had counted as a failed trial of the depth it left:
+            # that depth did better, so the failure is this move's alone, not one more.
+            if self._above_over_bound:
+                self._undone = max(0, self._undone - 1)
+                hold = c.retry_steps << min(self._undone, 3)
             self._cap = max(self.cap, above.depth)  # a limit from before the move still holds
             self._floor, self._floor_until = above.depth, self._steps + hold
             return DepthChange(d, above.depth, "worse")

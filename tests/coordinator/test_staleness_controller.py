@@ -394,6 +394,33 @@ def test_a_move_down_for_groups_over_the_bound_is_undone_where_it_gave_less_on_t
     assert moves(1050.0)[:2] == [(2, 1, "over_bound"), (1, 2, "trainer_idle")]
 
 
+def test_an_undone_move_down_for_groups_over_the_bound_counts_one_failure_not_two() -> None:
+    """d = 2 drops groups while the trainer idles: d = 1, counted as a failed trial of 2. d = 1
+    gives less over a whole stay: back to 2, and the undo shows that 2 had not failed, so the
+    floor it sets holds `retry_steps`, as after one failed move; it does not double. Once it
+    lapses, the groups still going over the bound at d = 2 move it down again."""
+    config = AutoDepthConfig(hold_steps=1, initial=2, retry_steps=20)
+    controller = DepthController(config, 2)
+    moves = []
+    for i in range(80):
+        scale = 1.0 + (0.3 if i % 2 else -0.3)
+        more: dict[str, float] = {
+            "tokens/generated": (1000.0 if controller.depth == 2 else 950.0) * scale
+        }
+        if controller.depth == 2 and i >= 8:  # from step 9 on, groups go over the bound
+            more |= {"groups/dropped_stale": 2.0, "groups/consumed": 14.0}
+        change = controller.observe(_record(0.5, **more))  # generation-bound throughout
+        if change is not None:
+            moves.append((controller._steps, change.old, change.new, change.reason))
+    assert [m[1:] for m in moves[:3]] == [
+        (2, 1, "over_bound"),
+        (1, 2, "worse"),
+        (2, 1, "over_bound"),
+    ]
+    undone_at, again_at = moves[1][0], moves[2][0]
+    assert config.retry_steps <= again_at - undone_at <= config.retry_steps + 1
+
+
 def test_a_move_down_for_groups_over_the_bound_after_a_short_stay_is_not_judged_on_its_mean() -> (
     None
 ):
