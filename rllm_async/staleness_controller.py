@@ -278,8 +278,6 @@ class DepthController:
         recent = self._steps - c.retry_steps
         if self._trial is not None and self._trial < recent:
             self._undone, self._trial = 0, None
-        # A limit from an undone move holds longer for each undone in a row (at most 8x).
-        hold = c.retry_steps << min(self._undone, 3)
         over = self._over_budget(w)
         if over is not None:  # back where the last move up came from, or one lower
             new = self._below[-1].depth if self._below else d - 1
@@ -294,9 +292,8 @@ class DepthController:
             # that depth did better, so the failure is this move's alone, not one more.
             if self._above_over_bound:
                 self._undone = max(0, self._undone - 1)
-                hold = c.retry_steps << min(self._undone, 3)
             self._cap = max(self.cap, above.depth)  # a limit from before the move still holds
-            self._floor, self._floor_until = above.depth, self._steps + hold
+            self._floor, self._floor_until = above.depth, self._steps + self._hold()
             return DepthChange(d, above.depth, "worse")
         below = self._below[-1] if self._below else None
         if (
@@ -306,7 +303,7 @@ class DepthController:
             and _worse(here, below, c.min_gain)
         ):
             # The move up made things worse (its waste shows up late): back, not up again soon.
-            self._limit(below.depth, hold)
+            self._limit(below.depth, self._hold())
             return DepthChange(d, below.depth, "worse")
         dropping = w.taken and w.dropped / w.taken > c.min_gain and not w.timeouts
         if w.idle > c.target_idle and dropping and d > self.floor:
@@ -314,7 +311,7 @@ class DepthController:
             # fewer rollouts at once, each faster, so fewer go over it. No higher until judged
             # (the wait after a move down, the old depth + 1 steps, then a stay's steps), and
             # as a failed trial: longer for each in a row, as the deeper depth keeps failing.
-            self._limit(d - 1, max(d + 1 + STAY_STEPS, hold), for_drops=True)
+            self._limit(d - 1, max(d + 1 + STAY_STEPS, self._hold()), for_drops=True)
             return DepthChange(d, d - 1, "over_bound")
         if w.idle > c.target_idle and w.timeouts and self._cap_for_drops:
             # Hung rollouts stall a shallow pipeline, and a deeper one flows around them: the
@@ -327,6 +324,11 @@ class DepthController:
         if w.idle < c.target_idle / 2 and w.generation_idle > c.generation_idle and d > self.floor:
             return DepthChange(d, d - 1, "generation_idle")
         return None
+
+    def _hold(self) -> int:
+        """How long a limit from a failed move holds: `retry_steps`, twice as long for each
+        failed move in a row before it (at most 8x)."""
+        return self.config.retry_steps << min(self._undone, 3)
 
     def _limit(self, cap: int, steps: int, *, for_drops: bool = False) -> None:
         """No deeper than `cap` for `steps` steps; `for_drops`: set by groups over the bound."""
